@@ -1,0 +1,1 @@
+"""Tandem: disaggregated LLM serving on typed gRPC contracts."""

@@ -1,0 +1,29 @@
+"""Engine arguments shared by every backend. Flag names follow Dynamo's TensorRT-LLM worker and
+mocker where one exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    #: Model directory (config.json and tokenizer files; weights where the backend needs them).
+    model: str = ""
+    #: Tokens per KV block.
+    kv_block_size: int = field(default=32, metadata={"flag": "--kv-block-size"})
+    #: Most requests in one engine step.
+    max_batch_size: int = 256
+    #: Most tokens (prefill chunks + decode tokens) in one engine step.
+    max_num_tokens: int = 8192
+    #: Longest prompt + output; 0 means the model's max_position_embeddings.
+    max_seq_len: int = 0
+    #: Most requests admitted but not yet running; past it new requests get RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 1024
+    #: KV pool size in blocks for engines without a memory budget (the mock engine).
+    num_gpu_blocks: int = field(default=16384, metadata={"flag": "--num-gpu-blocks-override"})
+    #: Mock engine: divide simulated step times by this; 0 or >= 1e6 means no delay.
+    speedup_ratio: float = 1.0
+    #: Reuse cached KV blocks across requests with the same prefix.
+    enable_prefix_caching: bool = True
+    #: Seed for engine-chosen randomness.
+    seed: int = 0

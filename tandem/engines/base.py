@@ -1,0 +1,110 @@
+"""The engine interface every backend implements (reference, trtllm, mock).
+
+Everything above it (services, router, frontend) is backend-blind. All methods are called from
+the one asyncio event loop of the worker process.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from tandem.engines.stream import RequestStream
+from tandem.engines.types import (
+    Embedding,
+    EngineRequest,
+    EngineStats,
+    KvEvent,
+    KvLayout,
+    PrefillResult,
+)
+from tandem.errors import Unimplemented
+
+EventSink = Callable[[Sequence[KvEvent]], None]
+
+
+class Engine(ABC):
+    """A token-in, token-out inference engine with a paged KV cache.
+
+    Contract:
+      - `add_request` validates and admits a request and returns its stream at once; the tokens
+        arrive as the engine's loop produces them. A request with `kv_handle` resumes from KV
+        computed elsewhere (its `first_token` is emitted first) instead of prefilling locally.
+      - `abort` ends a request immediately: its stream finishes with CANCELLED and its KV blocks
+        return to the pool before `abort` returns (blocks a transfer may still write into are
+        freed when that transfer completes).
+      - KV events (stored/removed/cleared) are delivered to the sink set by `set_event_sink`, one
+        call per engine step, in order.
+      - `close` aborts everything in flight and releases the engine's resources.
+    """
+
+    #: Registry name of the backend, e.g. "mock".
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._event_sink: EventSink | None = None
+
+    @property
+    @abstractmethod
+    def layout(self) -> KvLayout:
+        """Shape of this engine's KV cache (compared against incoming KV handles)."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Longest prompt + output this engine accepts, tokens."""
+
+    async def start(self) -> None:
+        """Allocates resources and starts the step loop. Called once before any request."""
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Admits a request.
+
+        Raises:
+            InvalidRequest: empty prompt, prompt + max_tokens beyond max_model_len, bad sampling.
+            Overloaded: the waiting queue is full.
+            FailedPrecondition: kv_handle's layout does not match `layout`.
+        """
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; True when it was still running or waiting."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's load and KV usage."""
+
+    def set_event_sink(self, sink: EventSink | None) -> None:
+        """Where KV events go; None turns publishing off."""
+        self._event_sink = sink
+
+    def _publish(self, events: Sequence[KvEvent]) -> None:
+        if events and self._event_sink is not None:
+            self._event_sink(events)
+
+    async def prefill(self, request: EngineRequest, lease_ms: int) -> PrefillResult:
+        """Runs the prompt only, keeps its blocks leased for `lease_ms`, returns a KV handle.
+
+        Raises:
+            Unimplemented: the backend (or this build) has no disaggregated prefill.
+        """
+        raise Unimplemented(
+            f"engine '{self.name}' has no prefill-only mode yet "
+            "(disaggregated prefill/decode is a later stage of Tandem)")
+
+    async def release(self, request_id: str) -> bool:
+        """Frees a prefill lease early; False when no live lease has that id."""
+        raise Unimplemented(f"engine '{self.name}' holds no KV leases (no prefill-only mode yet)")
+
+    async def encode(self, images: Sequence[bytes]) -> list[Embedding]:
+        """Runs the vision encoder over images.
+
+        Raises:
+            Unimplemented: the backend (or this build) has no vision encoder.
+        """
+        raise Unimplemented(
+            f"engine '{self.name}' has no vision encoder (the encode stage is a later stage of "
+            "Tandem)")
+
+    async def close(self) -> None:
+        """Aborts every request and releases resources."""

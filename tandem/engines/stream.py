@@ -1,0 +1,68 @@
+"""The per-request channel between an engine's step loop and the service that streams tokens."""
+from __future__ import annotations
+
+import asyncio
+
+from tandem.engines.types import FinishReason, TokenChunk, TokenLogprob, Usage
+
+
+class RequestStream:
+    """Tokens of one request, produced by the engine and drained by one consumer.
+
+    The engine calls push/finish/fail from the event loop's thread; the consumer iterates. Each
+    iteration returns every token produced since the previous one, so a slow consumer gets fewer,
+    larger chunks instead of falling behind. Iteration ends after the chunk carrying finish_reason.
+    """
+
+    __slots__ = ("request_id", "_token_ids", "_logprobs", "_finish", "_usage", "_error",
+                 "_ready", "_drained")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._finish: FinishReason | None = None
+        self._usage: Usage | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self._drained = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finish is not None or self._error is not None
+
+    def push(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self._token_ids.append(token_id)
+        if logprob is not None:
+            self._logprobs.append(logprob)
+        self._ready.set()
+
+    def finish(self, reason: FinishReason, usage: Usage) -> None:
+        if self.is_finished:
+            return
+        self._finish = reason
+        self._usage = usage
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.is_finished:
+            return
+        self._error = error
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._drained:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        if self._error is not None:
+            self._drained = True
+            raise self._error
+        chunk = TokenChunk(self._token_ids, self._logprobs, self._finish, self._usage)
+        self._token_ids, self._logprobs = [], []
+        self._ready.clear()
+        if self._finish is not None:
+            self._drained = True
+        return chunk

@@ -1,0 +1,190 @@
+"""Domain types that cross the engine interface. Services convert protobuf to and from these
+(tandem.runtime.convert); engines never see protobuf."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. Defaults are the OpenAI/vLLM defaults; see common.proto."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    #: None: no logprobs; k >= 0: sampled token's logprob plus k alternatives.
+    top_logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """Shape of a paged KV cache; blocks move between workers only when layouts are equal."""
+
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+    def mismatch(self, other: KvLayout) -> str | None:
+        """A message naming every field that differs from `other`, or None when compatible."""
+        diffs = [
+            f"{name} {getattr(other, name)} != {getattr(self, name)}"
+            for name in ("dtype", "num_layers", "num_kv_heads", "head_size", "block_size")
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return "KV layout mismatch (handle vs worker): " + ", ".join(diffs) if diffs else None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDescriptor:
+    address: int
+    length: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandle:
+    """Where a prefilled prompt's KV lives (see KvHandle in common.proto)."""
+
+    worker_id: str
+    worker_address: str
+    request_id: str
+    backend: str  # "nixl" | "trtllm" | "mock"
+    layout: KvLayout
+    num_tokens: int
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()
+    nixl_agent_name: str = ""
+    nixl_agent_metadata: bytes = b""
+    descriptors: tuple[MemoryDescriptor, ...] = ()
+    nixl_memory_type: str = ""
+    lease_expiry_unix_ms: int = 0
+    #: TensorRT-LLM DisaggregatedParams fields when backend == "trtllm".
+    trtllm_params: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NixlTensorRef:
+    agent_name: str
+    agent_metadata: bytes
+    descriptor: MemoryDescriptor
+    memory_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """Embeddings of one multimodal item, placed at its placeholder tokens."""
+
+    content_hash: str
+    shape: tuple[int, ...]
+    dtype: str
+    data: bytes | NixlTensorRef
+    placeholder_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    #: Present: resume from KV a prefill worker computed (disaggregated decode).
+    kv_handle: KvHandle | None = None
+    #: With kv_handle: the first token the prefill worker sampled; emitted first.
+    first_token: TokenLogprob | None = None
+    embeddings: tuple[Embedding, ...] = ()
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens produced since the consumer last asked. finish_reason/usage only on the last."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first_token: TokenLogprob
+    kv_handle: KvHandle | None
+    cached_tokens: int
+    #: Set when the request finished on its first token; then kv_handle is None.
+    finish_reason: FinishReason | None = None
+
+
+# KV events, the same vocabulary as KvEvents in kv_events.proto and Dynamo's KV events.
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    mm_hashes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    pending_prefill_tokens: int
+    active_decode_blocks: int
+    prefix_cache_hit_rate: float

@@ -1,0 +1,1 @@
+"""Generated Protobuf and gRPC stubs for package tandem.v1 (built from protos/ at install)."""
