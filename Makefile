@@ -1,0 +1,37 @@
+# Tandem: `make up` starts the whole system on this machine, `make test` runs every test.
+# Both create .venv/ and install Tandem (with its generated gRPC stubs) when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+PROTOS := $(wildcard protos/tandem/v1/*.proto)
+NODE_CLIENT := tests/node/node_modules/.package-lock.json
+
+.PHONY: install up test test-unit test-e2e bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(PROTOS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+$(NODE_CLIENT): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+
+up: install
+	$(VENV)/bin/tandem up $(ARGS)
+
+test: install $(NODE_CLIENT)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+bench: install
+	bash benchmarks/setup_aiperf.sh
+	$(PY) benchmarks/backbone.py
+
+clean:
+	rm -rf $(VENV) tests/node/node_modules tandem/v1/*_pb2*.py tandem/v1/*_pb2.pyi

@@ -1,0 +1,60 @@
+"""Decode servicer: protobuf in, engine call, token chunks out."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.engines.base import Engine
+from tandem.engines.types import EngineRequest
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.runtime import convert
+from tandem.runtime.server import Draining
+from tandem.v1 import decode_pb2 as pb
+from tandem.v1 import decode_pb2_grpc
+
+
+def engine_request(request: pb.GenerateRequest, max_model_len: int) -> EngineRequest:
+    if not request.token_ids:
+        raise InvalidRequest("token_ids must not be empty", param="token_ids")
+    default_max = max(max_model_len - len(request.token_ids), 1)
+    return EngineRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=tuple(request.token_ids),
+        sampling=convert.sampling_from_pb(request.sampling, default_max),
+        kv_handle=(convert.kv_handle_from_pb(request.kv_handle)
+                   if request.HasField("kv_handle") else None),
+        first_token=(convert.logprob_from_pb(request.first_token)
+                     if request.HasField("first_token") else None),
+        embeddings=tuple(convert.embedding_from_pb(e) for e in request.embeddings),
+    )
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: Engine, draining: Draining) -> None:
+        self.engine = engine
+        self.draining = draining
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        if self.draining.active:
+            raise Unavailable("decode worker is draining")
+        engine_req = engine_request(request, self.engine.max_model_len)
+        stream = self.engine.add_request(engine_req)
+        finished = False
+        try:
+            async for chunk in stream:
+                message = pb.GenerateChunk(token_ids=chunk.token_ids)
+                if chunk.logprobs:
+                    message.logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.logprobs)
+                if chunk.finish_reason is not None:
+                    message.finish_reason = convert.finish_to_pb(chunk.finish_reason)
+                    if chunk.usage is not None:
+                        message.usage.CopyFrom(convert.usage_to_pb(chunk.usage))
+                    finished = True
+                yield message
+        finally:
+            # Client gone, deadline passed or an error: the request's blocks go back now.
+            if not finished:
+                self.engine.abort(engine_req.request_id)

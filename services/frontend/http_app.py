@@ -1,0 +1,169 @@
+"""OpenAI-compatible REST API (aiohttp). Routes translate HTTP to the frontend library and back;
+errors leave as OpenAI error JSON with the status from tandem.frontend.errors."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from tandem.errors import InvalidRequest, TandemError, Unavailable
+from tandem.frontend.errors import http_error
+from tandem.frontend.frontend import Frontend
+from tandem.frontend.openai_request import Kind, parse_request
+from tandem.frontend.openai_stream import OpenAIResponder
+from tandem.frontend.pipeline import Delta
+from tandem.runtime import logs
+from tandem.runtime.server import Draining
+
+log = logging.getLogger(__name__)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+class OpenAIRoutes:
+    def __init__(self, frontend: Frontend, draining: Draining) -> None:
+        self.frontend = frontend
+        self.draining = draining
+        self.metrics = frontend.pipeline.metrics
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/live", self.live)
+        app.router.add_get("/metrics", self.metrics_page)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat", "chat_completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion", "completions")
+
+    def _error(self, exc: BaseException, endpoint: str) -> web.Response:
+        status, body = http_error(exc)
+        if status >= 500:
+            log.error("request failed", exc_info=exc)
+        self.metrics.requests.labels(self.metrics.model, endpoint, str(status)).inc()
+        return web.json_response(body, status=status)
+
+    async def _serve(self, request: web.Request, kind: Kind, endpoint: str) -> web.StreamResponse:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id")
+        try:
+            if self.draining.active:
+                raise Unavailable("the frontend is draining")
+            try:
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+            parsed = parse_request(body, kind, request.headers)
+            gen = self.frontend.prepare(parsed, request_id)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
+            return self._error(exc, endpoint)
+        token = logs.request_id_var.set(gen.request_id)
+        in_flight = self.metrics.in_flight.labels(self.metrics.model)
+        in_flight.inc()
+        responder = OpenAIResponder(parsed, self.frontend.model.name,
+                                    self.frontend.token_text)
+        deltas = self.frontend.pipeline.generate(gen)
+        try:
+            if parsed.stream:
+                return await self._stream(request, responder, deltas, endpoint)
+            try:
+                body = await responder.collect(deltas)
+            except Exception as exc:  # noqa: BLE001
+                return self._error(exc, endpoint)
+            self._count(endpoint, "200", body.get("usage"))
+            return web.json_response(body)
+        finally:
+            await deltas.aclose()
+            in_flight.dec()
+            self.metrics.duration.labels(self.metrics.model).observe(
+                time.perf_counter() - started)
+            logs.request_id_var.reset(token)
+
+    async def _stream(self, request: web.Request, responder: OpenAIResponder,
+                      deltas: AsyncIterator[Delta], endpoint: str) -> web.StreamResponse:
+        # Wait for the first delta before answering 200, so that routing and admission errors
+        # still reach the client as a proper HTTP status.
+        try:
+            first = await anext(deltas)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, endpoint)
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        events = responder.first_events() + responder.delta_events(first)
+        usage = first.usage
+        try:
+            if events:
+                await response.write(b"".join(_sse(e) for e in events))
+            async for delta in deltas:
+                await response.write(b"".join(_sse(e) for e in responder.delta_events(delta)))
+                usage = delta.usage or usage
+        except (ConnectionResetError, TandemError) as exc:
+            if isinstance(exc, ConnectionResetError):
+                self.metrics.disconnects.labels(self.metrics.model).inc()
+                raise
+            status, body = http_error(exc)
+            log.warning("stream failed after it started", extra={"status": status})
+            await response.write(_sse(body))
+        except BaseException:
+            self.metrics.disconnects.labels(self.metrics.model).inc()
+            raise
+        await response.write(b"data: [DONE]\n\n")
+        self._count(endpoint, "200", None)
+        if usage is not None:
+            self._observe_tokens(usage.prompt_tokens, usage.completion_tokens,
+                                 usage.cached_tokens)
+        return response
+
+    def _count(self, endpoint: str, status: str, usage: dict | None) -> None:
+        self.metrics.requests.labels(self.metrics.model, endpoint, status).inc()
+        if usage is not None:
+            self._observe_tokens(usage["prompt_tokens"], usage["completion_tokens"],
+                                 usage["prompt_tokens_details"]["cached_tokens"])
+
+    def _observe_tokens(self, prompt: int, completion: int, cached: int) -> None:
+        m = self.metrics
+        m.input_tokens.labels(m.model).observe(prompt)
+        m.output_tokens.labels(m.model).observe(completion)
+        m.cached_tokens.labels(m.model).inc(cached)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.frontend.model
+        return web.json_response({"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": 0, "owned_by": "tandem",
+            "max_model_len": model.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining.active:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "healthy", "model": self.frontend.model.name})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "live"})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            content_type="text/plain", charset="utf-8")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    """Unknown routes, wrong methods and oversized bodies answer in OpenAI's error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = {"error": {"message": exc.reason if exc.text is None else exc.text,
+                          "type": "invalid_request_error", "param": None, "code": None}}
+        return web.json_response(body, status=exc.status)

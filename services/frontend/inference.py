@@ -1,0 +1,96 @@
+"""The public gRPC Inference API: same semantics as the REST API, through the same validation
+(the request becomes an OpenAI body and goes through parse_request)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.frontend.frontend import Frontend
+from tandem.frontend.openai_request import parse_request
+from tandem.runtime import convert
+from tandem.runtime.server import Draining
+from tandem.v1 import inference_pb2 as pb
+from tandem.v1 import inference_pb2_grpc
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                    "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _message(msg: pb.ChatMessage) -> dict[str, Any]:
+    if not msg.parts:
+        return {"role": msg.role, "content": msg.content}
+    parts = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
+             else {"type": "image_url", "image_url": {"url": p.image_url}} for p in msg.parts]
+    return {"role": msg.role, "content": parts}
+
+
+def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], str]:
+    """The equivalent OpenAI body and endpoint kind ("chat" or "completion")."""
+    body: dict[str, Any] = {"model": request.model, "stop": list(request.stop) or None}
+    s = request.sampling
+    for name in _SAMPLING_FIELDS:
+        if s.HasField(name):
+            body[name] = getattr(s, name)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    body["min_tokens"], body["ignore_eos"] = s.min_tokens, s.ignore_eos
+    if s.HasField("top_logprobs"):
+        body["logprobs"] = True if request.WhichOneof("input") == "chat" else s.top_logprobs
+        if request.WhichOneof("input") == "chat":
+            body["top_logprobs"] = s.top_logprobs
+    router: dict[str, float] = {}
+    if request.sla.HasField("ttft_ms"):
+        router["ttft_target"] = request.sla.ttft_ms
+    if request.sla.HasField("itl_ms"):
+        router["itl_target"] = request.sla.itl_ms
+    if router:
+        body["nvext"] = {"router": router}
+    which = request.WhichOneof("input")
+    if which == "chat":
+        body["messages"] = [_message(m) for m in request.chat.messages]
+        return body, "chat"
+    if which == "prompt":
+        body["prompt"] = request.prompt
+    elif which == "tokens":
+        body["prompt"] = list(request.tokens.token_ids)
+    else:
+        raise InvalidRequest("one of chat, prompt or tokens is required", param="input")
+    return body, "completion"
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, frontend: Frontend, draining: Draining) -> None:
+        self.frontend = frontend
+        self.draining = draining
+
+    async def Generate(self, request: pb.InferenceRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.InferenceChunk]:
+        if self.draining.active:
+            raise Unavailable("the frontend is draining")
+        body, kind = openai_body(request)
+        parsed = parse_request(body, kind)
+        gen = self.frontend.prepare(parsed, request.request_id or None,
+                                    context.time_remaining())
+        deltas = self.frontend.pipeline.generate(gen)
+        try:
+            async for delta in deltas:
+                chunk = pb.InferenceChunk(request_id=gen.request_id, text=delta.text,
+                                          token_ids=delta.token_ids)
+                if delta.logprobs:
+                    chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in delta.logprobs)
+                if delta.finish_reason is not None:
+                    chunk.finish_reason = convert.finish_to_pb(delta.finish_reason)
+                    if delta.usage is not None:
+                        chunk.usage.CopyFrom(convert.usage_to_pb(delta.usage))
+                yield chunk
+        finally:
+            await deltas.aclose()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        model = self.frontend.model
+        return pb.ListModelsResponse(models=[pb.ModelCard(id=model.name,
+                                                          max_model_len=model.max_model_len)])

@@ -1,0 +1,43 @@
+"""Prefill servicer: protobuf in, engine prefill/release, protobuf out."""
+from __future__ import annotations
+
+import grpc
+
+from tandem.engines.base import Engine
+from tandem.engines.types import EngineRequest
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.runtime import convert
+from tandem.runtime.server import Draining
+from tandem.v1 import prefill_pb2 as pb
+from tandem.v1 import prefill_pb2_grpc
+
+DEFAULT_LEASE_MS = 30_000
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, engine: Engine, draining: Draining) -> None:
+        self.engine = engine
+        self.draining = draining
+
+    async def Prefill(self, request: pb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if self.draining.active:
+            raise Unavailable("prefill worker is draining")
+        if not request.token_ids:
+            raise InvalidRequest("token_ids must not be empty", param="token_ids")
+        engine_req = EngineRequest(
+            request_id=request.request_id, prompt_token_ids=tuple(request.token_ids),
+            sampling=convert.sampling_from_pb(request.sampling, default_max_tokens=1),
+            embeddings=tuple(convert.embedding_from_pb(e) for e in request.embeddings))
+        lease_ms = request.lease_ms if request.HasField("lease_ms") else DEFAULT_LEASE_MS
+        result = await self.engine.prefill(engine_req, lease_ms)
+        response = pb.PrefillResponse(first_token=convert.logprob_to_pb(result.first_token),
+                                      cached_tokens=result.cached_tokens,
+                                      finish_reason=convert.finish_to_pb(result.finish_reason))
+        if result.kv_handle is not None:
+            response.kv_handle.CopyFrom(convert.kv_handle_to_pb(result.kv_handle))
+        return response
+
+    async def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=await self.engine.release(request.request_id))

@@ -1,0 +1,76 @@
+"""The frontend's request logic, shared by the OpenAI REST API and the public gRPC API:
+model check, tokenization, context-length limits, and the request pipeline."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from tandem.errors import InvalidRequest, ModelNotFound
+from tandem.frontend.openai_request import ParsedRequest
+from tandem.frontend.pipeline import GenerationRequest, Pipeline, SlaHints
+from tandem.frontend.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+
+
+class Frontend:
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pipeline = pipeline
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs report it."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
+        if parsed.kind == "chat":
+            return self.tokenizer.apply_chat_template(list(parsed.messages))
+        if isinstance(parsed.prompt, str):
+            if not parsed.prompt:
+                raise InvalidRequest("'prompt' must not be empty", param="prompt")
+            return self.tokenizer.encode(parsed.prompt, add_special_tokens=True)
+        ids = list(parsed.prompt or ())
+        if not ids:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        vocab = self.tokenizer.vocab_size
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {vocab})",
+                                 param="prompt")
+        return ids
+
+    def prepare(self, parsed: ParsedRequest, request_id: str | None = None,
+                timeout_s: float | None = None) -> GenerationRequest:
+        """Validates the request against the served model and tokenizes it.
+
+        Raises:
+            ModelNotFound: the request names another model.
+            InvalidRequest: the prompt does not fit the context, or the template fails.
+        """
+        if parsed.model != self.model.name:
+            raise ModelNotFound(f"model '{parsed.model}' does not exist; this deployment serves "
+                                f"'{self.model.name}'", param="model")
+        prompt = self.prompt_token_ids(parsed)
+        limit = self.model.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this model's context is "
+                                 f"{limit} tokens, leaving no room for output", param="messages"
+                                 if parsed.kind == "chat" else "prompt")
+        max_tokens = parsed.max_tokens if parsed.max_tokens is not None else limit - len(prompt)
+        if len(prompt) + max_tokens > limit:
+            raise InvalidRequest(
+                f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this model's "
+                f"context of {limit} tokens", param="max_tokens")
+        return GenerationRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            sampling=parsed.sampling(max_tokens),
+            stop=parsed.stop,
+            sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms),
+            timeout_s=timeout_s,
+        )

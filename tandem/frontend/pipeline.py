@@ -1,0 +1,164 @@
+"""The frontend's data path for one request: route -> stream tokens from a decode worker ->
+detokenize (stop strings included) -> deltas for the client -> release the router's load.
+
+Backend- and transport-blind: the router and worker clients are injected (tandem.runtime.clients
+in production), so this module has no grpc import.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.engines.types import (EngineRequest, FinishReason, SamplingParams, TokenChunk,
+                                  TokenLogprob, Usage)
+from tandem.errors import Unavailable, UpstreamError
+from tandem.frontend.detokenizer import IncrementalDetokenizer
+from tandem.frontend.metrics import FrontendMetrics
+from tandem.routing.workers import RouteDecision, WorkerRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SlaHints:
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    sla: SlaHints = field(default_factory=SlaHints)
+    timeout_s: float | None = None
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one step of the stream adds for the client."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class RouterPort(Protocol):
+    async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
+                    sla: SlaHints, exclude_ids: tuple[str, ...] = ()) -> RouteDecision: ...
+
+    async def complete(self, request_id: str, outcome: str, output_tokens: int) -> None: ...
+
+
+class DecodePort(Protocol):
+    def generate(self, address: str, request: EngineRequest,
+                 timeout_s: float | None = None) -> AsyncIterator[TokenChunk]: ...
+
+
+DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]
+
+
+class Pipeline:
+    def __init__(self, router: RouterPort, decode: DecodePort,
+                 new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics) -> None:
+        self.router = router
+        self.decode = decode
+        self.new_detokenizer = new_detokenizer
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """Streams the answer. Closing the iterator early cancels the request downstream."""
+        decision = await self.router.route(req.request_id, req.prompt_token_ids,
+                                           req.sampling.max_tokens, req.sla)
+        outcome, produced = "error", 0
+        try:
+            async for delta in self._stream(req, decision.decode_workers):
+                produced += len(delta.token_ids)
+                yield delta
+            outcome = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self._complete_later(req.request_id, outcome, produced)
+
+    async def _stream(self, req: GenerationRequest,
+                      workers: tuple[WorkerRef, ...]) -> AsyncIterator[Delta]:
+        if not workers:
+            raise Unavailable("router returned no decode worker")
+        started = False
+        for index, worker in enumerate(workers):
+            try:
+                async for delta in self._from_worker(req, worker):
+                    started = True
+                    yield delta
+                return
+            except Unavailable as exc:
+                # Nothing reached the client yet: the next fallback can serve it unseen.
+                if started or index == len(workers) - 1:
+                    raise
+                log.warning("decode worker unavailable, trying next",
+                            extra={"worker": worker.worker_id, "error": exc.message})
+
+    async def _from_worker(self, req: GenerationRequest, worker: WorkerRef) -> AsyncIterator[Delta]:
+        detok = self.new_detokenizer(req)
+        engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
+        start = last = time.perf_counter()
+        emitted = 0
+        chunks = self.decode.generate(worker.address, engine_req, req.timeout_s)
+        try:
+            async for chunk in chunks:
+                now = time.perf_counter()
+                self.metrics.observe_chunk(now - start if emitted == 0 else None,
+                                           now - last, len(chunk.token_ids))
+                last = now
+                text = detok.add(chunk.token_ids)
+                if detok.stopped:
+                    # A stop string ended the answer: keep the tokens up to it, drop the rest.
+                    kept = chunk.token_ids[:max(detok.num_tokens - emitted, 0)]
+                    emitted += len(kept)
+                    usage = Usage(len(req.prompt_token_ids), emitted,
+                                  chunk.usage.cached_tokens if chunk.usage else 0)
+                    yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP, usage)
+                    return
+                emitted += len(chunk.token_ids)
+                if chunk.finish_reason is None:
+                    if text or chunk.token_ids:
+                        yield Delta(text, chunk.token_ids, chunk.logprobs)
+                    continue
+                if chunk.usage is None:
+                    raise UpstreamError(f"decode worker {worker.address} finished without usage")
+                usage = Usage(chunk.usage.prompt_tokens, emitted, chunk.usage.cached_tokens)
+                yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
+                            chunk.finish_reason, usage)
+                return
+            raise UpstreamError(f"decode worker {worker.address} ended the stream unfinished")
+        finally:
+            await chunks.aclose()
+
+    def _complete_later(self, request_id: str, outcome: str, produced: int) -> None:
+        # Off the client's critical path; a failure only leaves the router's count to its TTL.
+        task = asyncio.get_running_loop().create_task(
+            self._complete(request_id, outcome, produced))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _complete(self, request_id: str, outcome: str, produced: int) -> None:
+        try:
+            await self.router.complete(request_id, outcome, produced)
+        except (Unavailable, UpstreamError) as exc:
+            log.warning("router Complete failed", extra={"error": exc.message})
+
+    async def drain(self) -> None:
+        """Waits for outstanding Complete calls (shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,102 @@
+"""gRPC clients the frontend uses to reach the router and workers. They speak domain types and
+raise typed errors, so the request pipeline above them has no grpc import."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.engines.types import EngineRequest, TokenChunk
+from tandem.frontend.pipeline import SlaHints
+from tandem.routing.workers import RouteDecision, WorkerRef
+from tandem.runtime import convert, status
+from tandem.runtime.interceptor import REQUEST_ID_KEY
+from tandem.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+_OUTCOMES = {"ok": router_pb2.OUTCOME_OK, "error": router_pb2.OUTCOME_ERROR,
+             "cancelled": router_pb2.OUTCOME_CANCELLED}
+
+
+def _ref(msg: router_pb2.WorkerRef) -> WorkerRef:
+    return WorkerRef(msg.worker_id, msg.address, msg.pool)
+
+
+class RouterClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
+                    sla: SlaHints, exclude_ids: tuple[str, ...] = ()) -> RouteDecision:
+        request = router_pb2.RouteRequest(
+            request_id=request_id, token_ids=token_ids, isl=len(token_ids),
+            expected_osl=expected_osl, exclude_worker_ids=exclude_ids)
+        if sla.ttft_ms is not None:
+            request.sla.ttft_ms = sla.ttft_ms
+        if sla.itl_ms is not None:
+            request.sla.itl_ms = sla.itl_ms
+        if sla.priority is not None:
+            request.priority = sla.priority
+        try:
+            reply = await self._stub.Route(request, metadata=((REQUEST_ID_KEY, request_id),))
+        except grpc.aio.AioRpcError as exc:
+            raise status.from_rpc_error(exc, f"router {self.address}") from None
+        return RouteDecision(decode_workers=tuple(_ref(w) for w in reply.decode_workers),
+                             prefill_workers=tuple(_ref(w) for w in reply.prefill_workers),
+                             encode_workers=tuple(_ref(w) for w in reply.encode_workers),
+                             disaggregate=reply.disaggregate,
+                             overlap_blocks=reply.overlap_blocks)
+
+    async def complete(self, request_id: str, outcome: str, output_tokens: int) -> None:
+        try:
+            await self._stub.Complete(router_pb2.CompleteRequest(
+                request_id=request_id, outcome=_OUTCOMES[outcome], output_tokens=output_tokens),
+                metadata=((REQUEST_ID_KEY, request_id),))
+        except grpc.aio.AioRpcError as exc:
+            raise status.from_rpc_error(exc, f"router {self.address}") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DecodeClients:
+    """One channel per decode worker address, opened on first use."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            self._channels.append(channel)
+            stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
+        return stub
+
+    async def generate(self, address: str, request: EngineRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[TokenChunk]:
+        """Streams chunks from the worker; closing the iterator cancels the call."""
+        message = decode_pb2.GenerateRequest(
+            request_id=request.request_id, token_ids=request.prompt_token_ids,
+            sampling=convert.sampling_to_pb(request.sampling))
+        call = self._stub(address).Generate(
+            message, timeout=timeout_s, metadata=((REQUEST_ID_KEY, request.request_id),))
+        try:
+            async for msg in call:
+                yield TokenChunk(
+                    list(msg.token_ids),
+                    [convert.logprob_from_pb(lp) for lp in msg.logprobs] if msg.logprobs else [],
+                    convert.finish_from_pb(msg.finish_reason),
+                    convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None)
+        except grpc.aio.AioRpcError as exc:
+            raise status.from_rpc_error(exc, f"decode worker {address}") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()

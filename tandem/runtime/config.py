@@ -1,0 +1,171 @@
+"""Typed, layered configuration: dataclass defaults < YAML file (--config) < CLI flags.
+
+Every service describes its config as a frozen dataclass (nested dataclasses allowed). Flags are
+derived from field names (`max_batch_size` -> `--max-batch-size`) unless a field's metadata names
+another (`field(metadata={"flag": "--num-gpu-blocks-override"})`); help comes from `help`
+metadata. Unknown YAML keys are rejected with the key named, so a typo never passes silently.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import typing
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import yaml
+
+from tandem.errors import InvalidRequest
+
+T = TypeVar("T")
+_SCALARS = (str, int, float, bool)
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _scalar_type(tp: Any) -> Any:
+    """The element type argparse should convert to; Optional[X] -> X."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return args[0]
+    return tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str = "") -> None:
+    """Adds one flag per leaf field of `cls` (recursing into nested dataclasses)."""
+    for f, tp in _fields(cls):
+        dest = dest_prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            add_arguments(parser, tp, dest + ".")
+            continue
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
+                                  "help": f.metadata.get("help")}
+        base = _scalar_type(tp)
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) in (list, tuple):
+            kwargs["nargs"] = "*"
+            kwargs["type"] = typing.get_args(base)[0]
+        else:
+            kwargs["type"] = base
+        parser.add_argument(_flag(f), **kwargs)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        node = nested
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
+    """Constructs `cls` from a nested dict, rejecting unknown keys and wrong types by name."""
+    known = {f.name: (f, tp) for f, tp in _fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise InvalidRequest(f"unknown config key {where}{unknown[0]} (known: {', '.join(known)})",
+                             param=where + unknown[0])
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        f, tp = known[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise InvalidRequest(f"config key {where}{name} must be a mapping")
+            kwargs[name] = build(tp, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, where + name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    base = _scalar_type(tp)
+    if value is None and base is not tp:
+        return None
+    origin = typing.get_origin(base)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise InvalidRequest(f"config key {key} must be a list", param=key)
+        item = typing.get_args(base)[0]
+        items = [_coerce(v, item, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if base in _SCALARS:
+        if base is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+            raise InvalidRequest(
+                f"config key {key} must be {base.__name__}, got {value!r}", param=key)
+    return value
+
+
+def load(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "") -> T:
+    """Parses argv (with an optional `--config FILE.yaml`) into a `cls` instance."""
+    config, _ = load_known(cls, argv, prog, description, allow_extra=False)
+    return config
+
+
+def load_known(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "",
+               allow_extra: bool = True) -> tuple[T, list[str]]:
+    """Like `load`, but returns the arguments `cls` does not know instead of failing on them."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", type=pathlib.Path, default=None,
+                        help="YAML file of config values (flags override it)")
+    add_arguments(parser, cls)
+    if allow_extra:
+        parsed, extra = parser.parse_known_args(argv)
+    else:
+        parsed, extra = parser.parse_args(argv), []
+    ns = vars(parsed)
+    config_file = ns.pop("config")
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(config_file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise InvalidRequest(f"{config_file} must hold a YAML mapping")
+        values = loaded
+    return build(cls, _merge(values, _nest(ns))), extra
+
+
+def as_dict(config: Any) -> dict[str, Any]:
+    """The whole config as plain data, for the start-up log line."""
+    return dataclasses.asdict(config)
+
+
+def to_argv(config: Any) -> list[str]:
+    """The flags that reproduce `config`'s non-default values (for launching child processes)."""
+    argv: list[str] = []
+    defaults = type(config)()
+    for f, tp in _fields(type(config)):
+        value, default = getattr(config, f.name), getattr(defaults, f.name)
+        if dataclasses.is_dataclass(tp):
+            argv += to_argv(value)
+        elif value != default:
+            flag = _flag(f)
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, (list, tuple)):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, str(value)]
+    return argv

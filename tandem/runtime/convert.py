@@ -1,0 +1,180 @@
+"""Protobuf <-> domain conversions, so that servicers stay translation layers and the library
+never sees protobuf."""
+from __future__ import annotations
+
+from tandem.engines import types as t
+from tandem.errors import InvalidRequest
+from tandem.v1 import common_pb2 as pb
+from tandem.v1 import kv_events_pb2 as ev_pb
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    t.FinishReason.STOP: pb.FINISH_REASON_STOP,
+    t.FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    t.FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_BACKEND_TO_PB = {"nixl": pb.TRANSFER_BACKEND_NIXL, "trtllm": pb.TRANSFER_BACKEND_TRTLLM,
+                  "mock": pb.TRANSFER_BACKEND_MOCK}
+_BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()}
+
+
+def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> t.SamplingParams:
+    """Domain sampling params; absent optional fields take their documented defaults."""
+    def opt(name: str, default: float | int | None) -> float | int | None:
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens
+    if max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    return t.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=opt("temperature", 1.0),
+        top_p=opt("top_p", 1.0),
+        top_k=opt("top_k", 0),
+        min_p=opt("min_p", 0.0),
+        seed=opt("seed", None),
+        repetition_penalty=opt("repetition_penalty", 1.0),
+        frequency_penalty=opt("frequency_penalty", 0.0),
+        presence_penalty=opt("presence_penalty", 0.0),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos,
+        top_logprobs=opt("top_logprobs", None),
+    )
+
+
+def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+        stop_token_ids=params.stop_token_ids, min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.top_logprobs is not None:
+        msg.top_logprobs = params.top_logprobs
+    return msg
+
+
+def finish_to_pb(reason: t.FinishReason | None) -> int:
+    return _FINISH_TO_PB[reason]
+
+
+def finish_from_pb(value: int) -> t.FinishReason | None:
+    return _FINISH_FROM_PB.get(value)
+
+
+def logprob_to_pb(lp: t.TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=a.token_id, logprob=a.logprob)
+                                for a in lp.top])
+
+
+def logprob_from_pb(msg: pb.TokenLogprob) -> t.TokenLogprob:
+    return t.TokenLogprob(msg.token_id, msg.logprob,
+                          tuple(t.TopLogprob(a.token_id, a.logprob) for a in msg.top))
+
+
+def usage_to_pb(usage: t.Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    cached_tokens=usage.cached_tokens)
+
+
+def usage_from_pb(msg: pb.Usage) -> t.Usage:
+    return t.Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
+
+
+def layout_from_pb(msg: pb.KvLayout) -> t.KvLayout:
+    return t.KvLayout(msg.dtype, msg.num_layers, msg.num_kv_heads, msg.head_size, msg.block_size)
+
+
+def layout_to_pb(layout: t.KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(dtype=layout.dtype, num_layers=layout.num_layers,
+                       num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
+                       block_size=layout.block_size)
+
+
+def kv_handle_from_pb(msg: pb.KvHandle) -> t.KvHandle:
+    trtllm = None
+    if msg.HasField("trtllm_params"):
+        p = msg.trtllm_params
+        trtllm = {"opaque_state": p.opaque_state, "first_gen_tokens": list(p.first_gen_tokens),
+                  "ctx_request_id": p.ctx_request_id if p.HasField("ctx_request_id") else None,
+                  "draft_tokens": list(p.draft_tokens),
+                  "disagg_request_id": (p.disagg_request_id if p.HasField("disagg_request_id")
+                                        else None)}
+    return t.KvHandle(
+        worker_id=msg.worker_id, worker_address=msg.worker_address, request_id=msg.request_id,
+        backend=_BACKEND_FROM_PB.get(msg.backend, "unspecified"),
+        layout=layout_from_pb(msg.layout), num_tokens=msg.num_tokens,
+        block_ids=tuple(msg.block_ids), block_hashes=tuple(msg.block_hashes),
+        nixl_agent_name=msg.nixl_agent_name, nixl_agent_metadata=msg.nixl_agent_metadata,
+        descriptors=tuple(t.MemoryDescriptor(d.address, d.length, d.device_id)
+                          for d in msg.descriptors),
+        nixl_memory_type=msg.nixl_memory_type, lease_expiry_unix_ms=msg.lease_expiry_unix_ms,
+        trtllm_params=trtllm)
+
+
+def embedding_from_pb(msg: pb.MultimodalEmbedding) -> t.Embedding:
+    if msg.WhichOneof("data") == "nixl":
+        n = msg.nixl
+        data: bytes | t.NixlTensorRef = t.NixlTensorRef(
+            n.agent_name, n.agent_metadata,
+            t.MemoryDescriptor(n.descriptor.address, n.descriptor.length, n.descriptor.device_id),
+            n.memory_type)
+    else:
+        data = msg.raw
+    return t.Embedding(msg.content_hash, tuple(msg.shape), msg.dtype, data,
+                       msg.placeholder_offset)
+
+
+def stored_to_pb(event: t.BlockStored) -> ev_pb.BlockStored:
+    msg = ev_pb.BlockStored(block_hashes=event.block_hashes, token_ids=event.token_ids,
+                            block_size=event.block_size, mm_hashes=event.mm_hashes)
+    if event.parent_hash is not None:
+        msg.parent_hash = event.parent_hash
+    return msg
+
+
+def kv_event_to_pb(event: t.KvEvent) -> ev_pb.KvEvent:
+    if isinstance(event, t.BlockStored):
+        return ev_pb.KvEvent(stored=stored_to_pb(event))
+    if isinstance(event, t.BlockRemoved):
+        return ev_pb.KvEvent(removed=ev_pb.BlockRemoved(block_hashes=event.block_hashes))
+    return ev_pb.KvEvent(cleared=ev_pb.AllBlocksCleared())
+
+
+def load_to_pb(worker_id: str, stats: t.EngineStats, now_ms: int) -> ev_pb.WorkerLoad:
+    return ev_pb.WorkerLoad(
+        worker_id=worker_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
+        kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+        pending_prefill_tokens=stats.pending_prefill_tokens,
+        active_decode_blocks=stats.active_decode_blocks,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, timestamp_unix_ms=now_ms)
+
+
+def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
+    msg = pb.KvHandle(
+        worker_id=handle.worker_id, worker_address=handle.worker_address,
+        request_id=handle.request_id, backend=_BACKEND_TO_PB.get(handle.backend, 0),
+        layout=layout_to_pb(handle.layout), num_tokens=handle.num_tokens,
+        block_ids=handle.block_ids, block_hashes=handle.block_hashes,
+        nixl_agent_name=handle.nixl_agent_name, nixl_agent_metadata=handle.nixl_agent_metadata,
+        descriptors=[pb.MemoryDescriptor(address=d.address, length=d.length,
+                                         device_id=d.device_id) for d in handle.descriptors],
+        nixl_memory_type=handle.nixl_memory_type,
+        lease_expiry_unix_ms=handle.lease_expiry_unix_ms)
+    if handle.trtllm_params is not None:
+        p = handle.trtllm_params
+        params = pb.TrtllmDisaggParams(
+            opaque_state=p.get("opaque_state") or b"",
+            first_gen_tokens=p.get("first_gen_tokens") or [],
+            draft_tokens=p.get("draft_tokens") or [])
+        for key in ("ctx_request_id", "disagg_request_id"):
+            if p.get(key) is not None:
+                setattr(params, key, p[key])
+        msg.trtllm_params.CopyFrom(params)
+    return msg

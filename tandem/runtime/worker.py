@@ -1,0 +1,56 @@
+"""Bootstrap of a worker process: engine, KV event log, gRPC server, graceful shutdown.
+
+Which servicers a worker hosts depends on its stage; services/<stage>/ adds them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from tandem.engines.base import Engine
+from tandem.engines.registry import create_engine
+from tandem.kv.event_log import EventLog
+from tandem.model.demo import ensure_demo_model
+from tandem.runtime import config as config_lib
+from tandem.runtime import logs
+from tandem.runtime.server import GrpcService, ServerOptions
+from tandem.runtime.worker_config import WorkerConfig
+from tandem.v1 import kv_events_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Worker:
+    config: WorkerConfig
+    engine: Engine
+    event_log: EventLog
+    service: GrpcService
+
+
+AddServicers = Callable[[Worker], None]
+
+
+async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddServicers,
+                     service_names: list[str]) -> None:
+    """Builds the engine and server for `stage`, serves until SIGTERM, then drains."""
+    logs.setup(f"{stage}", config.log_level)
+    if not config.engine_args.model:
+        demo = ensure_demo_model()
+        config = dataclasses.replace(
+            config, engine_args=dataclasses.replace(config.engine_args, model=str(demo)))
+    log.info("config", extra={"config": config_lib.as_dict(config), "stage": stage})
+    engine = create_engine(config.engine, config.engine_args)
+    await engine.start()
+    event_log = EventLog(config.kv_event_buffer)
+    if config.publish_kv_events:
+        engine.set_event_sink(event_log.append)
+    names = [*service_names]
+    if config.publish_kv_events:
+        names.append(kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"].full_name)
+    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s), names)
+    worker = Worker(config, engine, event_log, service)
+    add_servicers(worker)
+    service.on_close(engine.close)
+    await service.run()

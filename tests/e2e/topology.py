@@ -1,0 +1,100 @@
+"""Helpers that start Tandem the way users do (`tandem up`, `tandem serve`) on free ports."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def tandem_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.cli", *args]
+
+
+@dataclass
+class Topology:
+    process: subprocess.Popen[str]
+    http_url: str
+    grpc_address: str
+    model: str
+    tokenizer_dir: str
+    decode_addresses: list[str]
+    router_address: str
+    protos_root: str = str(ROOT / "protos")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def start_topology(*extra: str, num_decode: int = 1) -> Topology:
+    """Runs `tandem up` on free ports and returns once it printed its READY line."""
+    http, grpc_port, router, *decode = free_ports(3 + num_decode)
+    argv = tandem_cmd("up", "--http-port", str(http), "--grpc-port", str(grpc_port),
+                      "--router-port", str(router), "--decode-ports", *map(str, decode),
+                      "--grace-period-s", "5", *extra)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ready = _read_ready_line(proc)
+    fields = dict(item.split("=", 1) for item in ready.split()[1:])
+    # Keep draining stdout so the launcher never blocks on a full pipe.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+    return Topology(proc, fields["http"], fields["grpc"], fields["model"], fields["tokenizer"],
+                    [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}")
+
+
+def _read_ready_line(proc: subprocess.Popen[str]) -> str:
+    result: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("READY "):
+                result.append(line.strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(START_TIMEOUT_S)
+    if not result:
+        proc.kill()
+        raise RuntimeError(f"tandem up did not become ready (exit code {proc.poll()})")
+    return result[0]
+
+
+def start_worker(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Runs one `tandem serve decode` worker and waits until its health says SERVING."""
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(tandem_cmd("serve", "decode", "--port", str(port), *extra), cwd=ROOT)
+    address = f"127.0.0.1:{port}"
+    wait_serving(address)
+    return proc, address
+
+
+def wait_serving(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for reply in stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True,
+                                timeout=START_TIMEOUT_S):
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
