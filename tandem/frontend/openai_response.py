@@ -1,0 +1,273 @@
+"""Builders of OpenAI response bodies: chat.completion, chat.completion.chunk, text_completion.
+
+Each builder returns a plain dict ready for json.dumps, in the exact shape the official `openai`
+client parses. They run once per streamed chunk, so they are flat dict literals with no
+validation: the caller passes the completion id, model and `created` it fixed once per request
+(`new_completion_id`, `created_now`).
+
+Finish reasons: STOP -> "stop", LENGTH -> "length", CANCELLED -> "stop". OpenAI has no
+"cancelled"; a cancelled stream normally has no reader left, and a non-standard value would break
+clients that validate the field (vLLM's "abort" does), so like Dynamo we report "stop". A frontend
+that must tell a client its request was cut short (a deadline) should send an error instead.
+
+Token text for logprobs comes from a caller-supplied `token_text(token_id) -> str`, so this module
+needs no tokenizer; "bytes" is the UTF-8 encoding of that text. Logprobs below -9999 (including
+-inf, which JSON cannot carry) are reported as -9999.0, as vLLM does.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tandem.engines.types import FinishReason, TokenLogprob, Usage
+
+TokenText = Callable[[int], str]
+JsonDict = dict[str, Any]
+
+FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "stop",
+}
+MIN_LOGPROB = -9999.0
+
+
+def new_completion_id(kind: str) -> str:
+    """"chatcmpl-<uuid4 hex>" for kind "chat", "cmpl-<uuid4 hex>" for "completion"."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def created_now() -> int:
+    """The "created" field: Unix time in whole seconds."""
+    return int(time.time())
+
+
+def usage_body(usage: Usage) -> JsonDict:
+    """OpenAI's usage object, with prompt_tokens_details.cached_tokens."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+# --- logprobs -----------------------------------------------------------------------------------
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: TokenText) -> JsonDict:
+    """Chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}.
+
+    top_logprobs lists the alternatives in `TokenLogprob.top` (best first), so its length is the
+    request's top_logprobs.
+    """
+    content = []
+    for lp in logprobs:
+        token = token_text(lp.token_id)
+        value = lp.logprob
+        content.append({
+            "token": token,
+            "logprob": value if value > MIN_LOGPROB else MIN_LOGPROB,
+            "bytes": list(token.encode("utf-8", "replace")),
+            "top_logprobs": [_top_entry(top.token_id, top.logprob, token_text) for top in lp.top],
+        })
+    return {"content": content}
+
+
+def _top_entry(token_id: int, value: float, token_text: TokenText) -> JsonDict:
+    token = token_text(token_id)
+    return {
+        "token": token,
+        "logprob": value if value > MIN_LOGPROB else MIN_LOGPROB,
+        "bytes": list(token.encode("utf-8", "replace")),
+    }
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], token_text: TokenText, text_offset: int = 0
+) -> tuple[JsonDict, int]:
+    """Completions' choice.logprobs and the text offset that follows its last token.
+
+    Returns ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, next_offset).
+    Each top_logprobs entry maps token text to logprob for the alternatives plus the sampled
+    token (OpenAI: "up to logprobs+1 elements"). `text_offset` is the character offset of the
+    first token in the completion text; pass the returned next_offset with the next chunk.
+    """
+    tokens: list[str] = []
+    values: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for lp in logprobs:
+        token = token_text(lp.token_id)
+        value = lp.logprob if lp.logprob > MIN_LOGPROB else MIN_LOGPROB
+        top: dict[str, float] = {}
+        for alt in lp.top:
+            text = token_text(alt.token_id)
+            if text not in top:  # two ids may decode alike; keep the likelier (listed first)
+                top[text] = alt.logprob if alt.logprob > MIN_LOGPROB else MIN_LOGPROB
+        top.setdefault(token, value)
+        tokens.append(token)
+        values.append(value)
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    body = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+    return body, text_offset
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+
+def chat_completion(
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason,
+    usage: Usage,
+    logprobs: JsonDict | None = None,
+) -> JsonDict:
+    """A non-streamed chat.completion; `logprobs` from `chat_logprobs` when asked for."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[finish_reason],
+        }],
+        "usage": usage_body(usage),
+    }
+
+
+def chat_chunk_first(completion_id: str, model: str, created: int) -> JsonDict:
+    """The first chat.completion.chunk of a stream: delta {"role": "assistant", "content": ""}."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }],
+    }
+
+
+def chat_chunk(
+    completion_id: str, model: str, created: int, text: str, logprobs: JsonDict | None = None
+) -> JsonDict:
+    """A chat.completion.chunk carrying text (delta {"content": text}) and its tokens' logprobs."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "delta": {"content": text},
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }],
+    }
+
+
+def chat_chunk_last(
+    completion_id: str, model: str, created: int, finish_reason: FinishReason
+) -> JsonDict:
+    """The chunk that ends a chat stream: empty delta and the finish reason."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS[finish_reason],
+        }],
+    }
+
+
+def chat_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:
+    """With stream_options.include_usage: the very last chunk, no choices, the usage."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
+
+
+# --- completions --------------------------------------------------------------------------------
+
+
+def text_completion(
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason,
+    usage: Usage,
+    logprobs: JsonDict | None = None,
+) -> JsonDict:
+    """A non-streamed text_completion; `logprobs` from `completion_logprobs` when asked for."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[finish_reason],
+        }],
+        "usage": usage_body(usage),
+    }
+
+
+def completion_chunk(
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    logprobs: JsonDict | None = None,
+    finish_reason: FinishReason | None = None,
+) -> JsonDict:
+    """A streamed text_completion chunk; the last one carries `finish_reason` (text may be "")."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason],
+        }],
+    }
+
+
+def completion_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:
+    """With stream_options.include_usage: the very last chunk, no choices, the usage."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
