@@ -36,22 +36,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        token = logs.request_id_var.set(_request_id(context))
+        # grpc.aio runs each RPC in its own task (own context), so no reset is needed.
+        logs.request_id_var.set(_request_id(context))
         try:
             return await behavior(request, context)
         except (grpc.aio.AbortError, grpc.aio.BaseError):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             await _abort(context, exc, method)
-        finally:
-            logs.request_id_var.reset(token)
 
     return handler
 
 
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        token = logs.request_id_var.set(_request_id(context))
+        logs.request_id_var.set(_request_id(context))
         try:
             async for item in behavior(request, context):
                 yield item
@@ -59,8 +58,6 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Ca
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             await _abort(context, exc, method)
-        finally:
-            logs.request_id_var.reset(token)
 
     return handler
 

@@ -28,7 +28,7 @@ def batches_until(call, sequence: int) -> list[kv_events_pb2.KvEventBatch]:
 
 
 def test_reconnect_with_last_sequence_gets_exactly_the_missed_events() -> None:
-    proc, address = start_worker("--speedup-ratio", "0", "--num-gpu-blocks-override", "64")
+    proc, address = start_worker("--speedup-ratio", "0", "--num-gpu-blocks-override", "16")
     channel = grpc.insecure_channel(address)
     decode = decode_pb2_grpc.DecodeStub(channel)
     events = kv_events_pb2_grpc.KvEventsStub(channel)
