@@ -1,0 +1,65 @@
+"""Typed layered config: defaults < YAML < flags, and the launcher's process list."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tandem.errors import InvalidRequest
+from tandem.launcher.deployment import Deployment, processes
+from tandem.runtime import config as config_lib
+from tandem.runtime.worker_config import WorkerConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_defaults_then_yaml_then_flags(tmp_path: pathlib.Path) -> None:
+    yaml_file = tmp_path / "worker.yaml"
+    yaml_file.write_text("port: 9999\nengine_args:\n  kv_block_size: 16\n  max_batch_size: 8\n")
+    config = config_lib.load(WorkerConfig, ["--config", str(yaml_file), "--max-batch-size", "4"],
+                             prog="t")
+    assert config.port == 9999                        # YAML over default
+    assert config.engine_args.kv_block_size == 16     # nested YAML
+    assert config.engine_args.max_batch_size == 4     # flag over YAML
+    assert config.engine_args.max_num_tokens == 8192  # default kept
+    assert config.host == "127.0.0.1"
+
+
+def test_flag_names_follow_dynamo() -> None:
+    config = config_lib.load(WorkerConfig, ["--num-gpu-blocks-override", "7", "--no-publish-kv-events",
+                                            "--model", "/m", "--speedup-ratio", "0"], prog="t")
+    assert config.engine_args.num_gpu_blocks == 7
+    assert config.publish_kv_events is False
+    assert config.engine_args.model == "/m" and config.engine_args.speedup_ratio == 0.0
+
+
+@pytest.mark.parametrize("text,key", [("prot: 1\n", "prot"),
+                                      ("engine_args:\n  kv_blok_size: 3\n",
+                                       "engine_args.kv_blok_size"),
+                                      ("port: seven\n", "port")])
+def test_bad_yaml_names_the_key(tmp_path: pathlib.Path, text: str, key: str) -> None:
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text(text)
+    with pytest.raises(InvalidRequest) as info:
+        config_lib.load(WorkerConfig, ["--config", str(yaml_file)], prog="t")
+    assert key in info.value.message
+
+
+def test_to_argv_round_trips_non_defaults() -> None:
+    config = config_lib.load(WorkerConfig, ["--port", "1234", "--kv-block-size", "64",
+                                            "--no-enable-prefix-caching"], prog="t")
+    again = config_lib.load(WorkerConfig, config_lib.to_argv(config), prog="t")
+    assert again == config
+
+
+def test_shipped_deployment_file_loads_and_wires_the_topology() -> None:
+    d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml"),
+                                     "--decode-ports", "9300", "9301"], prog="t")
+    procs = processes(d)
+    assert [p.name for p in procs] == ["decode-0", "decode-1", "router", "frontend"]
+    router = procs[2].argv
+    at = router.index("--decode-workers")
+    assert router[at + 1:at + 3] == ["127.0.0.1:9300", "127.0.0.1:9301"]
+    frontend = procs[3].argv
+    assert frontend[frontend.index("--router-address") + 1] == "127.0.0.1:9100"
+    assert all("--speedup-ratio" not in p.argv for p in procs[:2])  # 1.0 is the default
