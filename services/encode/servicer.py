@@ -4,10 +4,10 @@ from __future__ import annotations
 import grpc
 
 from tandem.engines.base import Engine
-from tandem.runtime.server import Draining
 from tandem.errors import Unavailable
-from tandem.v1 import common_pb2, encode_pb2 as pb
-from tandem.v1 import encode_pb2_grpc
+from tandem.runtime.server import Draining
+from tandem.v1 import common_pb2, encode_pb2_grpc
+from tandem.v1 import encode_pb2 as pb
 
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):

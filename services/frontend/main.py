@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import pathlib
 from collections.abc import Sequence

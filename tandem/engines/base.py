@@ -19,7 +19,7 @@ from tandem.engines.types import (
 )
 from tandem.errors import Unimplemented
 
-EventSink = Callable[[Sequence[KvEvent]], None]
+EventSink = Callable[[Sequence[KvEvent]], object]
 
 
 class Engine(ABC):
@@ -53,6 +53,7 @@ class Engine(ABC):
     def max_model_len(self) -> int:
         """Longest prompt + output this engine accepts, tokens."""
 
+    @abstractmethod
     async def start(self) -> None:
         """Allocates resources and starts the step loop. Called once before any request."""
 
@@ -106,5 +107,6 @@ class Engine(ABC):
             f"engine '{self.name}' has no vision encoder (the encode stage is a later stage of "
             "Tandem)")
 
+    @abstractmethod
     async def close(self) -> None:
         """Aborts every request and releases resources."""

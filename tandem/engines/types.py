@@ -84,6 +84,17 @@ class MemoryDescriptor:
 
 
 @dataclass(frozen=True, slots=True)
+class TrtllmParams:
+    """TensorRT-LLM DisaggregatedParams of a context-only request (see TrtllmDisaggParams)."""
+
+    opaque_state: bytes = b""
+    first_gen_tokens: tuple[int, ...] = ()
+    ctx_request_id: int | None = None
+    draft_tokens: tuple[int, ...] = ()
+    disagg_request_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class KvHandle:
     """Where a prefilled prompt's KV lives (see KvHandle in common.proto)."""
 
@@ -100,8 +111,8 @@ class KvHandle:
     descriptors: tuple[MemoryDescriptor, ...] = ()
     nixl_memory_type: str = ""
     lease_expiry_unix_ms: int = 0
-    #: TensorRT-LLM DisaggregatedParams fields when backend == "trtllm".
-    trtllm_params: dict[str, object] | None = None
+    #: Present when backend == "trtllm".
+    trtllm_params: TrtllmParams | None = None
 
 
 @dataclass(frozen=True, slots=True)

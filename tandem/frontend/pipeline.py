@@ -9,12 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem.engines.types import (EngineRequest, FinishReason, SamplingParams, TokenChunk,
-                                  TokenLogprob, Usage)
+from tandem.engines.types import (
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprob,
+    Usage,
+)
 from tandem.errors import Unavailable, UpstreamError
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics
@@ -60,7 +66,7 @@ class RouterPort(Protocol):
 
 class DecodePort(Protocol):
     def generate(self, address: str, request: EngineRequest,
-                 timeout_s: float | None = None) -> AsyncIterator[TokenChunk]: ...
+                 timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]: ...
 
 
 DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import pathlib
@@ -79,8 +80,8 @@ class Topology:
 
 def _banner(d: Deployment, model_dir: str, name: str) -> str:
     url = f"http://{d.host}:{d.http_port}"
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], '
-            '"max_tokens": 32, "stream": true}' % name)
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32, "stream": True})
     return (f"READY http={url} grpc={d.host}:{d.grpc_port} model={name} "
             f"tokenizer={model_dir.rstrip('/')}/\n"
             f"Tandem is up: OpenAI API at {url}/v1, gRPC Inference API at {d.host}:{d.grpc_port}\n"

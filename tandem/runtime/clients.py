@@ -2,7 +2,7 @@
 raise typed errors, so the request pipeline above them has no grpc import."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -78,7 +78,7 @@ class DecodeClients:
         return stub
 
     async def generate(self, address: str, request: EngineRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[TokenChunk]:
+                       timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]:
         """Streams chunks from the worker; closing the iterator cancels the call."""
         message = decode_pb2.GenerateRequest(
             request_id=request.request_id, token_ids=request.prompt_token_ids,

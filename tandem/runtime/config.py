@@ -27,6 +27,10 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
 
 
+def _is_config_class(tp: Any) -> typing.TypeGuard[type]:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
@@ -43,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
     """Adds one flag per leaf field of `cls` (recursing into nested dataclasses)."""
     for f, tp in _fields(cls):
         dest = dest_prefix + f.name
-        if dataclasses.is_dataclass(tp):
+        if _is_config_class(tp):
             add_arguments(parser, tp, dest + ".")
             continue
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
@@ -90,7 +94,7 @@ def build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         f, tp = known[name]
-        if dataclasses.is_dataclass(tp):
+        if _is_config_class(tp):
             if not isinstance(value, dict):
                 raise InvalidRequest(f"config key {where}{name} must be a mapping")
             kwargs[name] = build(tp, value, f"{where}{name}.")
@@ -158,7 +162,7 @@ def to_argv(config: Any) -> list[str]:
     defaults = type(config)()
     for f, tp in _fields(type(config)):
         value, default = getattr(config, f.name), getattr(defaults, f.name)
-        if dataclasses.is_dataclass(tp):
+        if _is_config_class(tp):
             argv += to_argv(value)
         elif value != default:
             flag = _flag(f)

@@ -7,40 +7,38 @@ from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2 as pb
 from tandem.v1 import kv_events_pb2 as ev_pb
 
-_FINISH_TO_PB = {
+_FINISH_TO_PB: dict[t.FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     t.FinishReason.STOP: pb.FINISH_REASON_STOP,
     t.FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     t.FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
-_BACKEND_TO_PB = {"nixl": pb.TRANSFER_BACKEND_NIXL, "trtllm": pb.TRANSFER_BACKEND_TRTLLM,
+_FINISH_FROM_PB: dict[int, t.FinishReason | None] = {v: k for k, v in _FINISH_TO_PB.items()}
+_BACKEND_TO_PB: dict[str, pb.TransferBackend] = {"nixl": pb.TRANSFER_BACKEND_NIXL, "trtllm": pb.TRANSFER_BACKEND_TRTLLM,
                   "mock": pb.TRANSFER_BACKEND_MOCK}
-_BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()}
+_BACKEND_FROM_PB: dict[pb.TransferBackend, str] = {v: k for k, v in _BACKEND_TO_PB.items()}
 
 
 def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> t.SamplingParams:
     """Domain sampling params; absent optional fields take their documented defaults."""
-    def opt(name: str, default: float | int | None) -> float | int | None:
-        return getattr(msg, name) if msg.HasField(name) else default
-
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens
+    has = msg.HasField
+    max_tokens = msg.max_tokens if has("max_tokens") else default_max_tokens
     if max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     return t.SamplingParams(
         max_tokens=max_tokens,
-        temperature=opt("temperature", 1.0),
-        top_p=opt("top_p", 1.0),
-        top_k=opt("top_k", 0),
-        min_p=opt("min_p", 0.0),
-        seed=opt("seed", None),
-        repetition_penalty=opt("repetition_penalty", 1.0),
-        frequency_penalty=opt("frequency_penalty", 0.0),
-        presence_penalty=opt("presence_penalty", 0.0),
+        temperature=msg.temperature if has("temperature") else 1.0,
+        top_p=msg.top_p if has("top_p") else 1.0,
+        top_k=msg.top_k if has("top_k") else 0,
+        min_p=msg.min_p if has("min_p") else 0.0,
+        seed=msg.seed if has("seed") else None,
+        repetition_penalty=msg.repetition_penalty if has("repetition_penalty") else 1.0,
+        frequency_penalty=msg.frequency_penalty if has("frequency_penalty") else 0.0,
+        presence_penalty=msg.presence_penalty if has("presence_penalty") else 0.0,
         stop_token_ids=tuple(msg.stop_token_ids),
         min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos,
-        top_logprobs=opt("top_logprobs", None),
+        top_logprobs=msg.top_logprobs if has("top_logprobs") else None,
     )
 
 
@@ -101,11 +99,11 @@ def kv_handle_from_pb(msg: pb.KvHandle) -> t.KvHandle:
     trtllm = None
     if msg.HasField("trtllm_params"):
         p = msg.trtllm_params
-        trtllm = {"opaque_state": p.opaque_state, "first_gen_tokens": list(p.first_gen_tokens),
-                  "ctx_request_id": p.ctx_request_id if p.HasField("ctx_request_id") else None,
-                  "draft_tokens": list(p.draft_tokens),
-                  "disagg_request_id": (p.disagg_request_id if p.HasField("disagg_request_id")
-                                        else None)}
+        trtllm = t.TrtllmParams(
+            opaque_state=p.opaque_state, first_gen_tokens=tuple(p.first_gen_tokens),
+            ctx_request_id=p.ctx_request_id if p.HasField("ctx_request_id") else None,
+            draft_tokens=tuple(p.draft_tokens),
+            disagg_request_id=p.disagg_request_id if p.HasField("disagg_request_id") else None)
     return t.KvHandle(
         worker_id=msg.worker_id, worker_address=msg.worker_address, request_id=msg.request_id,
         backend=_BACKEND_FROM_PB.get(msg.backend, "unspecified"),
@@ -159,7 +157,7 @@ def load_to_pb(worker_id: str, stats: t.EngineStats, now_ms: int) -> ev_pb.Worke
 def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
     msg = pb.KvHandle(
         worker_id=handle.worker_id, worker_address=handle.worker_address,
-        request_id=handle.request_id, backend=_BACKEND_TO_PB.get(handle.backend, 0),
+        request_id=handle.request_id, backend=_BACKEND_TO_PB.get(handle.backend, pb.TRANSFER_BACKEND_UNSPECIFIED),
         layout=layout_to_pb(handle.layout), num_tokens=handle.num_tokens,
         block_ids=handle.block_ids, block_hashes=handle.block_hashes,
         nixl_agent_name=handle.nixl_agent_name, nixl_agent_metadata=handle.nixl_agent_metadata,
@@ -169,12 +167,12 @@ def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
         lease_expiry_unix_ms=handle.lease_expiry_unix_ms)
     if handle.trtllm_params is not None:
         p = handle.trtllm_params
-        params = pb.TrtllmDisaggParams(
-            opaque_state=p.get("opaque_state") or b"",
-            first_gen_tokens=p.get("first_gen_tokens") or [],
-            draft_tokens=p.get("draft_tokens") or [])
-        for key in ("ctx_request_id", "disagg_request_id"):
-            if p.get(key) is not None:
-                setattr(params, key, p[key])
+        params = pb.TrtllmDisaggParams(opaque_state=p.opaque_state,
+                                       first_gen_tokens=p.first_gen_tokens,
+                                       draft_tokens=p.draft_tokens)
+        if p.ctx_request_id is not None:
+            params.ctx_request_id = p.ctx_request_id
+        if p.disagg_request_id is not None:
+            params.disagg_request_id = p.disagg_request_id
         msg.trtllm_params.CopyFrom(params)
     return msg

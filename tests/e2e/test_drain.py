@@ -7,8 +7,8 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.topology import start_worker
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.e2e.topology import start_worker
 
 MAX_TOKENS = 300  # about 2 s of simulated decode steps at speedup 1
 

@@ -5,8 +5,8 @@ import signal
 
 import grpc
 
-from tests.e2e.topology import start_worker
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
+from tests.e2e.topology import start_worker
 
 
 def run_requests(stub: decode_pb2_grpc.DecodeStub, first: int, count: int) -> None:
