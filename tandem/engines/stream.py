@@ -32,6 +32,8 @@ class RequestStream:
         return self._finish is not None or self._error is not None
 
     def push(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        if self.is_finished:
+            return  # an engine racing an abort: the stream already ended
         self._token_ids.append(token_id)
         if logprob is not None:
             self._logprobs.append(logprob)

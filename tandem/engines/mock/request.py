@@ -1,0 +1,88 @@
+"""Per-request state of the mock engine."""
+from __future__ import annotations
+
+from tandem.engines.stream import RequestStream
+from tandem.engines.types import EngineRequest, SamplingParams, TokenLogprob
+from tandem.kv.block_pool import BlockTable
+from tandem.kv.hashing import hash_block
+
+
+class MockRequest:
+    """One request's tokens, progress and KV blocks.
+
+    `token_ids` is the prompt followed by every output token; `num_computed` counts the leading
+    tokens whose KV is (or is being) computed. A step computes tokens [num_computed, len) in
+    chunks; when it reaches the end the request samples its next token. Preemption only resets
+    `num_computed` and the block table, so recomputation reproduces the same state.
+    """
+
+    __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
+                 "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
+                 "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens")
+
+    def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
+                 eos_ids: frozenset[int], block_size: int) -> None:
+        self.request_id = request.request_id
+        self.sampling: SamplingParams = request.sampling
+        self.stream = stream
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt = len(self.token_ids)
+        self.num_output = 0
+        self.num_computed = 0
+        #: Prompt tokens served from the prefix cache at first admission (reported in Usage).
+        self.num_cached = 0
+        self.table = BlockTable()
+        #: Chained hashes of the full blocks of token_ids, extended lazily.
+        self.hashes: list[int] = []
+        self.mm_per_block = _mm_hashes_per_block(request, block_size)
+        self.key = key
+        #: Set for a disaggregated request until its first token is emitted.
+        self.first_token: TokenLogprob | None = (
+            request.first_token if request.kv_handle is not None else None)
+        self.is_finished = False
+        self.was_admitted = False
+        # EOS stops a request unless ignore_eos (as in vLLM). The mock never draws EOS itself,
+        # but a prefill worker's first token may be one.
+        stop = set(request.sampling.stop_token_ids)
+        if request.sampling.ignore_eos:
+            stop -= eos_ids
+        else:
+            stop |= eos_ids
+        self.stop_ids = frozenset(stop)
+        self.min_tokens = request.sampling.min_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether its next computed tokens are prompt (or recomputed) tokens, not a decode."""
+        return self.num_output == 0 or self.num_computed < len(self.token_ids) - 1
+
+    def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
+        """The chained hashes of the first `num_blocks` full blocks (computed once, cached)."""
+        hashes = self.hashes
+        tokens = self.token_ids
+        mm = self.mm_per_block
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            extra = mm[i] if mm is not None and i < len(mm) else ()
+            hashes.append(hash_block(hashes[-1] if i else None,
+                                     tokens[i * block_size:(i + 1) * block_size], extra))
+        return hashes
+
+
+def _mm_hashes_per_block(request: EngineRequest, block_size: int) -> list[tuple[str, ...]] | None:
+    """Content hashes of the multimodal items touching each block, None without items.
+
+    An item covers `shape[-2]` placeholder tokens from `placeholder_offset` (embeddings are
+    (..., tokens, hidden)); a one-dimensional shape counts as one token.
+    """
+    if not request.embeddings:
+        return None
+    num_blocks = len(request.prompt_token_ids) // block_size
+    per_block: list[list[str]] = [[] for _ in range(num_blocks)]
+    for item in request.embeddings:
+        length = item.shape[-2] if len(item.shape) >= 2 else 1
+        first = item.placeholder_offset // block_size
+        last = (item.placeholder_offset + max(length, 1) - 1) // block_size
+        for b in range(first, min(last + 1, num_blocks)):
+            per_block[b].append(item.content_hash)
+    return [tuple(hashes) for hashes in per_block]

@@ -1,0 +1,174 @@
+"""Continuous-batching scheduler of the mock engine (vLLM v1 / Dynamo mocker policy).
+
+Each step: running requests first, in admission order, one decode token or one prefill chunk
+each while the token budget lasts; a request that cannot get its blocks preempts the newest
+running request (recompute: its blocks are freed and it goes back to the front of the waiting
+queue). Then, if nothing was preempted, waiting requests are admitted FCFS while the batch size,
+token budget and KV blocks allow; the first that does not fit stops admission.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engines.mock.request import MockRequest
+from tandem.kv.block_pool import BlockPool, PrefixMatch
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes."""
+
+    #: (request, tokens computed for it this step) in scheduling order.
+    scheduled: list[tuple[MockRequest, int]] = field(default_factory=list)
+    #: Requests whose every token is computed at the end of the step: each samples one token.
+    ready: list[MockRequest] = field(default_factory=list)
+    #: Disaggregated requests admitted this step: each emits its prefill worker's first token.
+    first_tokens: list[MockRequest] = field(default_factory=list)
+    #: New (uncached) prompt or recomputed tokens in the step, the T of the timing model.
+    prefill_tokens: int = 0
+    num_preempted: int = 0
+    num_admitted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running queues over one BlockPool; `schedule` decides and allocates, the
+    engine applies the outcome (tokens, finishes) and calls `drop` for requests that end."""
+
+    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[MockRequest] = deque()
+        self.running: list[MockRequest] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, req: MockRequest) -> None:
+        self.waiting.append(req)
+
+    def drop(self, req: MockRequest) -> None:
+        """Takes `req` out of its queue and frees its blocks (finish or abort)."""
+        try:
+            self.running.remove(req)
+        except ValueError:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.pool.free(req.table)
+
+    def release(self, req: MockRequest) -> None:
+        """Frees a finished request's blocks; `compact` drops it from `running` later, so that a
+        step finishing many requests does not pay a list removal for each."""
+        self.pool.free(req.table)
+
+    def compact(self) -> None:
+        self.running = [r for r in self.running if not r.is_finished]
+
+    def _preempt_newest(self) -> MockRequest:
+        victim = self.running.pop()
+        self.pool.free(victim.table)
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def _advance(self, req: MockRequest, n: int, plan: StepPlan) -> None:
+        if req.is_prefilling:
+            plan.prefill_tokens += n
+        req.num_computed += n
+        plan.scheduled.append((req, n))
+        full = req.num_computed // self.block_size
+        if full > req.table.num_committed and self.pool.enable_prefix_caching:
+            hashes = req.block_hashes(full, self.block_size)
+            self.pool.commit(req.table, req.token_ids, hashes, full, req.mm_per_block)
+        if req.num_computed == len(req.token_ids):
+            plan.ready.append(req)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        pool = self.pool
+        budget = self.max_num_tokens
+        running = self.running
+        block_capacity = self.block_size
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.token_ids) - req.num_computed
+            if n > budget:
+                n = budget
+            target = req.num_computed + n
+            # Fast path: the request's last block still has room.
+            if target > len(req.table.block_ids) * block_capacity:
+                preempted_self = False
+                while not pool.can_append(req.table, target):
+                    plan.num_preempted += 1
+                    if self._preempt_newest() is req:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    break  # req was the newest running request: nothing runs after it
+                pool.append(req.table, target)
+            self._advance(req, n, plan)
+            budget -= n
+            i += 1
+
+        if plan.num_preempted:
+            return plan  # as vLLM: no admissions in a step that had to preempt
+        waiting = self.waiting
+        while waiting and len(running) < self.max_batch_size:
+            req = waiting[0]
+            if req.first_token is not None:
+                if not self._admit_transferred(req, plan):
+                    break
+            else:
+                if budget <= 0 or not self._admit_local(req, budget, plan):
+                    break
+                budget -= plan.scheduled[-1][1]
+            waiting.popleft()
+            running.append(req)
+            plan.num_admitted += 1
+        return plan
+
+    def _admit_transferred(self, req: MockRequest, plan: StepPlan) -> bool:
+        """A request whose KV was computed elsewhere: allocate its prompt's blocks, no compute."""
+        if not self.pool.can_allocate(req.num_prompt):
+            return False
+        self.pool.allocate(req.table, req.num_prompt)
+        req.num_computed = req.num_prompt
+        full = req.num_prompt // self.block_size
+        if self.pool.enable_prefix_caching and full:
+            hashes = req.block_hashes(full, self.block_size)
+            self.pool.commit(req.table, req.token_ids, hashes, full, req.mm_per_block)
+        plan.first_tokens.append(req)
+        return True
+
+    def _admit_local(self, req: MockRequest, budget: int, plan: StepPlan) -> bool:
+        pool, bs = self.pool, self.block_size
+        total = len(req.token_ids)
+        match = PrefixMatch((), total)
+        if pool.enable_prefix_caching:
+            # At least one token must be computed to produce logits, so never match it all.
+            max_blocks = (total - 1) // bs
+            match = pool.match_prefix(req.block_hashes(max_blocks, bs), total, max_blocks)
+        cached = len(match.block_ids) * bs
+        n = min(total - cached, budget)
+        if not pool.can_allocate(cached + n, match):
+            return False
+        pool.allocate(req.table, cached + n, match)
+        if not req.was_admitted:
+            req.num_cached = cached
+            req.was_admitted = True
+        req.num_computed = cached
+        self._advance(req, n, plan)
+        return True
