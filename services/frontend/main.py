@@ -55,7 +55,8 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, RouterClient, Deco
     tokenizer = Tokenizer.from_dir(model_dir)
     router, decode = RouterClient(config.router_address), DecodeClients()
     pipeline = Pipeline(router, decode,
-                        lambda req: IncrementalDetokenizer(tokenizer, stop=req.stop),
+                        lambda req: IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
+                                                          stop=req.stop),
                         FrontendMetrics(model.name))
     return Frontend(model, tokenizer, pipeline), router, decode
 

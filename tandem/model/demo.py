@@ -1,0 +1,251 @@
+"""The demo model: a tiny Llama-architecture model directory that Tandem generates on first use.
+
+`make up` and the tests need a real Hugging Face model directory without downloading anything. This
+module writes one: a byte-level BPE tokenizer trained on a bundled English corpus
+(`demo_corpus.txt`), a ChatML chat template, and the config of a tiny LlamaForCausalLM. Every file
+is written deterministically, so two builds give identical bytes (with the same `tokenizers`
+version). Weights are not written yet; a later issue adds them from `DemoSpec.seed`, before the
+marker file, and bumps `DEMO_FORMAT_VERSION` so that cached copies are rebuilt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+#: Bump whenever the generated files change: ensure_demo_model rebuilds copies of other versions.
+DEMO_FORMAT_VERSION = 1
+#: Written last; its presence with the expected content marks a complete, current demo model.
+MARKER_FILE = "tandem-demo.json"
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+#: Special tokens take ids 0..4 in this order.
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
+
+# ChatML turns behind a Llama-3-style BOS. Content may be a string or OpenAI-style content parts;
+# non-text parts and unknown roles raise, so the frontend reports them instead of dropping them.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unsupported role: ' + message['role'] | string) }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] != 'text' %}"
+    "{{- raise_exception('the demo model accepts text content only, got ' + part['type']) }}"
+    "{%- endif %}"
+    "{{- part['text'] }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSpec:
+    """Shape of the demo model. The marker records it, so a changed spec triggers a rebuild."""
+
+    vocab_size: int = 4096  # target for BPE training, special tokens included
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    seed: int = 0  # for the random weights a later issue writes
+
+
+DEMO_SPEC = DemoSpec()
+
+
+def default_demo_model_dir() -> pathlib.Path:
+    """`$TANDEM_HOME/models/tandem-demo`, TANDEM_HOME defaulting to `~/.cache/tandem`.
+
+    Read at call time (not import time) so tests and launchers can point it elsewhere."""
+    home = os.environ.get("TANDEM_HOME") or os.path.join("~", ".cache", "tandem")
+    return pathlib.Path(home).expanduser() / "models" / "tandem-demo"
+
+
+def create_demo_model(path: str | pathlib.Path, spec: DemoSpec = DEMO_SPEC) -> pathlib.Path:
+    """Write the demo model into `path` (created if missing; existing files are overwritten).
+
+    Not atomic: use ensure_demo_model where other processes may read the directory.
+    Returns the directory."""
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(spec)
+    _write_text(root / "tokenizer.json", tokenizer.to_str(pretty=True))
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    _write_json(root / "tokenizer_config.json", _tokenizer_config(spec))
+    _write_json(root / "config.json", _model_config(spec, vocab_size, ids))
+    _write_json(root / "generation_config.json", _generation_config(ids))
+    # Weights go here (model.safetensors from spec.seed) once the reference engine needs them.
+    _write_json(root / MARKER_FILE, _marker(spec))
+    return root
+
+
+def ensure_demo_model(path: str | pathlib.Path | None = None,
+                      spec: DemoSpec = DEMO_SPEC) -> pathlib.Path:
+    """Return a complete, current demo model directory, building it on first use.
+
+    The build happens in a temporary directory beside the target and is renamed into place, so
+    concurrent callers never see a half-written directory; if two race, one rename wins and the
+    other build is discarded. A stale copy (other format version or spec) is replaced. Raises
+    FileExistsError if `path` is a non-empty directory that is not a demo model, rather than
+    replacing someone's files."""
+    target = pathlib.Path(path) if path is not None else default_demo_model_dir()
+    if _is_current(target, spec):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    build = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
+    try:
+        create_demo_model(build, spec)
+        build.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared with other users
+        for _ in range(3):  # a concurrent replacer can move the target between our steps
+            try:
+                os.rename(build, target)  # atomic; succeeds only if target is absent or empty
+                return target
+            except OSError:
+                if _is_current(target, spec):
+                    return target  # another process won the race with an identical build
+                if target.exists() and not (target / MARKER_FILE).is_file():
+                    raise FileExistsError(
+                        f"{target} exists and is not a Tandem demo model; remove it or pass "
+                        "another path") from None
+                _move_aside(target)
+        raise RuntimeError(f"could not install the demo model at {target}: it keeps changing")
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def _is_current(root: pathlib.Path, spec: DemoSpec) -> bool:
+    try:
+        return bool(json.loads((root / MARKER_FILE).read_text(encoding="utf-8")) == _marker(spec))
+    except (OSError, ValueError):
+        return False
+
+
+def _move_aside(target: pathlib.Path) -> None:
+    stale = target.parent / f".{target.name}.stale-{uuid.uuid4().hex}"
+    try:
+        os.rename(target, stale)
+    except FileNotFoundError:
+        return  # another process already moved it
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _marker(spec: DemoSpec) -> dict[str, Any]:
+    return {"format_version": DEMO_FORMAT_VERSION, "spec": dataclasses.asdict(spec)}
+
+
+def _train_tokenizer(spec: DemoSpec) -> Any:
+    """Byte-level BPE over the bundled corpus. Deterministic: BPE training breaks count ties by
+    pair ids, which follow the (sorted) byte alphabet; no randomness is involved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # No normalizer: any UTF-8 string must round-trip byte for byte.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        # 1, not the usual 2: the corpus is small and must still fill the vocabulary.
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 bytes, so text never seen in training still encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = resources.files("tandem.model").joinpath("demo_corpus.txt").read_text("utf-8")
+    tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    # Plain encodes start with BOS, as Llama 3's do; the chat template writes its own BOS and
+    # transformers renders templates with add_special_tokens=False, so chats get exactly one.
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        ),
+    ])
+    return tokenizer
+
+
+def _tokenizer_config(spec: DemoSpec) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+        # Cleanup would rewrite " ." as "." and break the round trip.
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _model_config(spec: DemoSpec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.hidden_size // spec.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": ids[BOS_TOKEN],
+        # Both end a generation: <|end_of_text|> for plain text, <|im_end|> for a chat turn.
+        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        "pad_token_id": ids[PAD_TOKEN],
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        "pad_token_id": ids[PAD_TOKEN],
+    }
+
+
+def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8", newline="\n")
