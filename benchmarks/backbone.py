@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -123,40 +124,32 @@ class TandemUp:
 
     def start(self) -> Ready:
         print(f"$ {' '.join(self.cmd)}", flush=True)
-        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, start_new_session=True,
         )
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        assert self.proc.stdout is not None
-        # Blocking readline is fine: tandem prints human lines while it starts, and a silent hang
-        # past the deadline is caught by the check after the next line or by the caller's timeout.
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("READY "):
-                fields = dict(part.split("=", 1) for part in line.split()[1:])
-                self._drain_in_background()
-                return Ready(fields["http"], fields["grpc"], fields["model"], fields["tokenizer"])
-            if time.monotonic() > deadline:
-                break
+        ready_line: list[str] = []
+        seen_ready = threading.Event()
+
+        def drain() -> None:  # keeps reading so tandem never blocks on a full pipe
+            assert self.proc is not None and self.proc.stdout is not None
+            with open(self.log_path, "w") as log:
+                for line in self.proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    self.lines.append(line.rstrip("\n"))
+                    if line.startswith("READY ") and not seen_ready.is_set():
+                        ready_line.append(line)
+                        seen_ready.set()
+            seen_ready.set()  # EOF: tandem exited
+
+        threading.Thread(target=drain, daemon=True).start()
+        if seen_ready.wait(READY_TIMEOUT_S) and ready_line:
+            fields = dict(part.split("=", 1) for part in ready_line[0].split()[1:])
+            return Ready(fields["http"], fields["grpc"], fields["model"], fields["tokenizer"])
         self.stop()
         tail = "\n".join(self.lines[-30:])
         raise RuntimeError(f"tandem up gave no READY line (see {self.log_path}):\n{tail}")
-
-    def _drain_in_background(self) -> None:
-        import threading
-
-        def drain() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.write(line)
-                self.log.flush()
-                self.lines.append(line.rstrip("\n"))
-
-        threading.Thread(target=drain, daemon=True).start()
 
     @property
     def pid(self) -> int:
