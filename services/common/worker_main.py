@@ -1,7 +1,6 @@
 """`tandem serve <prefill|decode|encode>`: one worker process of the given stage."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ from services.decode.servicer import DecodeServicer
 from services.encode.servicer import EncodeServicer
 from services.prefill.servicer import PrefillServicer
 from tandem.runtime import config as config_lib
+from tandem.runtime import loop
 from tandem.runtime.worker import Worker, run_worker
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import decode_pb2_grpc, encode_pb2_grpc, kv_events_pb2_grpc, prefill_pb2_grpc
@@ -57,4 +57,4 @@ def main(stage: str, argv: Sequence[str]) -> None:
     config = config_lib.load(WorkerConfig, argv, prog=f"tandem serve {stage}",
                              description=f"Run a Tandem {stage} worker.")
     spec = STAGES[stage]
-    asyncio.run(run_worker(config, stage, _registration(spec), [spec.service_name]))
+    loop.run(run_worker(config, stage, _registration(spec), [spec.service_name]))

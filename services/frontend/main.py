@@ -1,7 +1,6 @@
 """`tandem serve frontend`: the OpenAI REST API and the public gRPC Inference API in one process."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import pathlib
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
+from tandem.runtime import loop
 from tandem.runtime import logs
 from tandem.runtime.clients import DecodeClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
@@ -93,4 +93,4 @@ async def serve(config: FrontendConfig) -> None:
 def main(argv: Sequence[str]) -> None:
     config = config_lib.load(FrontendConfig, argv, prog="tandem serve frontend",
                              description="Run the Tandem frontend (OpenAI REST + gRPC API).")
-    asyncio.run(serve(config))
+    loop.run(serve(config))

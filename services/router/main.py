@@ -1,7 +1,6 @@
 """`tandem serve router`."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from tandem.errors import InvalidRequest
 from tandem.routing.round_robin import RoundRobinRouter
 from tandem.routing.workers import WorkerRef
 from tandem.runtime import config as config_lib
+from tandem.runtime import loop
 from tandem.runtime import logs
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
@@ -49,4 +49,4 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: Sequence[str]) -> None:
     config = config_lib.load(RouterConfig, argv, prog="tandem serve router",
                              description="Run the Tandem router.")
-    asyncio.run(serve(config))
+    loop.run(serve(config))
