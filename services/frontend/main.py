@@ -18,8 +18,7 @@ from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
-from tandem.runtime import loop
-from tandem.runtime import logs
+from tandem.runtime import logs, loop
 from tandem.runtime.clients import DecodeClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import inference_pb2_grpc
@@ -81,7 +80,6 @@ async def serve(config: FrontendConfig) -> None:
     async def stop_http() -> None:
         # Refuses new connections and waits for in-flight responses up to the grace period.
         await runner.cleanup()
-        await frontend.pipeline.drain()
         await router.close()
         await decode.close()
 

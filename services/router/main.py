@@ -10,8 +10,7 @@ from tandem.errors import InvalidRequest
 from tandem.routing.round_robin import RoundRobinRouter
 from tandem.routing.workers import WorkerRef
 from tandem.runtime import config as config_lib
-from tandem.runtime import loop
-from tandem.runtime import logs
+from tandem.runtime import logs, loop
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
 

@@ -19,6 +19,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Route(self, request: pb.RouteRequest,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        for done in request.completed:
+            self.router.complete(done.request_id)
         decision = self.router.route(request.request_id, tuple(request.exclude_worker_ids))
         return pb.RouteResponse(decode_workers=[_ref(w) for w in decision.decode_workers],
                                 prefill_workers=[_ref(w) for w in decision.prefill_workers],
@@ -28,4 +30,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Complete(self, request: pb.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        return pb.CompleteResponse(released=self.router.complete(request.request_id))
+        released = sum(self.router.complete(c.request_id) for c in request.completions)
+        return pb.CompleteResponse(released=released)

@@ -61,7 +61,9 @@ class RouterPort(Protocol):
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = ()) -> RouteDecision: ...
 
-    async def complete(self, request_id: str, outcome: str, output_tokens: int) -> None: ...
+    def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
+        """Queues the release of a request's load; never blocks the caller."""
+        ...
 
 
 class DecodePort(Protocol):
@@ -79,7 +81,6 @@ class Pipeline:
         self.decode = decode
         self.new_detokenizer = new_detokenizer
         self.metrics = metrics
-        self._background: set[asyncio.Task[None]] = set()
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
@@ -95,7 +96,7 @@ class Pipeline:
             outcome = "cancelled"
             raise
         finally:
-            self._complete_later(req.request_id, outcome, produced)
+            self.router.report_completion(req.request_id, outcome, produced)
 
     async def _stream(self, req: GenerationRequest,
                       workers: tuple[WorkerRef, ...]) -> AsyncIterator[Delta]:
@@ -151,20 +152,3 @@ class Pipeline:
         finally:
             await chunks.aclose()
 
-    def _complete_later(self, request_id: str, outcome: str, produced: int) -> None:
-        # Off the client's critical path; a failure only leaves the router's count to its TTL.
-        task = asyncio.get_running_loop().create_task(
-            self._complete(request_id, outcome, produced))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _complete(self, request_id: str, outcome: str, produced: int) -> None:
-        try:
-            await self.router.complete(request_id, outcome, produced)
-        except (Unavailable, UpstreamError) as exc:
-            log.warning("router Complete failed", extra={"error": exc.message})
-
-    async def drain(self) -> None:
-        """Waits for outstanding Complete calls (shutdown)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
