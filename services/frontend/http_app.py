@@ -19,6 +19,9 @@ from tandem.runtime import logs
 from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
+#: Overloaded (429) and draining/unavailable (503) are worth retrying shortly.
+_RETRYABLE = frozenset({429, 503})
+_RETRY_AFTER_S = "1"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -49,10 +52,11 @@ class OpenAIRoutes:
 
     def _error(self, exc: BaseException, endpoint: str) -> web.Response:
         status, body = http_error(exc)
-        if status >= 500:
+        if status >= 500 and status not in _RETRYABLE:
             log.error("request failed", exc_info=exc)
         self.metrics.requests.labels(self.metrics.model, endpoint, str(status)).inc()
-        return web.json_response(body, status=status)
+        headers = {"Retry-After": _RETRY_AFTER_S} if status in _RETRYABLE else None
+        return web.json_response(body, status=status, headers=headers)
 
     async def _serve(self, request: web.Request, kind: Kind, endpoint: str) -> web.StreamResponse:
         started = time.perf_counter()
