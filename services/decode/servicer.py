@@ -46,6 +46,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             async for chunk in stream:
                 message = pb.GenerateChunk(token_ids=chunk.token_ids)
+                if chunk.cached_tokens is not None:
+                    message.cached_tokens = chunk.cached_tokens
                 if chunk.logprobs:
                     message.logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.logprobs)
                 if chunk.finish_reason is not None:

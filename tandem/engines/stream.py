@@ -15,7 +15,7 @@ class RequestStream:
     """
 
     __slots__ = ("request_id", "_token_ids", "_logprobs", "_finish", "_usage", "_error",
-                 "_ready", "_drained")
+                 "_ready", "_drained", "_cached_tokens")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -26,6 +26,12 @@ class RequestStream:
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._drained = False
+        self._cached_tokens: int | None = None
+
+    def set_cached_tokens(self, num_tokens: int) -> None:
+        """Prefix-cache hits of the prompt, reported once on the next chunk (engines call this
+        when the request is first scheduled)."""
+        self._cached_tokens = num_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -62,8 +68,9 @@ class RequestStream:
         if self._error is not None:
             self._drained = True
             raise self._error
-        chunk = TokenChunk(self._token_ids, self._logprobs, self._finish, self._usage)
-        self._token_ids, self._logprobs = [], []
+        chunk = TokenChunk(self._token_ids, self._logprobs, self._finish, self._usage,
+                           self._cached_tokens)
+        self._token_ids, self._logprobs, self._cached_tokens = [], [], None
         self._ready.clear()
         if self._finish is not None:
             self._drained = True

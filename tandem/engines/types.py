@@ -154,6 +154,8 @@ class TokenChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    #: Prompt tokens served from the prefix cache; on the first chunk after the engine knows it.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

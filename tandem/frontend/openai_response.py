@@ -118,6 +118,22 @@ def completion_logprobs(
     return body, text_offset
 
 
+def _body(obj: str, completion_id: str, model: str, created: int, choices: list[JsonDict],
+          usage: Usage | None = None) -> JsonDict:
+    body: JsonDict = {"id": completion_id, "object": obj, "created": created, "model": model,
+                      "choices": choices}
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+    return body
+
+
+def _choice(key: str, value: object, logprobs: JsonDict | None,
+            finish_reason: FinishReason | None) -> list[JsonDict]:
+    """choices for one answer: {"index": 0, key: value, "logprobs", "finish_reason"}."""
+    return [{"index": 0, key: value, "logprobs": logprobs,
+             "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}]
+
+
 # --- chat ---------------------------------------------------------------------------------------
 
 
@@ -131,83 +147,36 @@ def chat_completion(
     logprobs: JsonDict | None = None,
 ) -> JsonDict:
     """A non-streamed chat.completion; `logprobs` from `chat_logprobs` when asked for."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": FINISH_REASONS[finish_reason],
-        }],
-        "usage": usage_body(usage),
-    }
+    message = {"role": "assistant", "content": text}
+    return _body("chat.completion", completion_id, model, created,
+                 _choice("message", message, logprobs, finish_reason), usage)
 
 
 def chat_chunk_first(completion_id: str, model: str, created: int) -> JsonDict:
     """The first chat.completion.chunk of a stream: delta {"role": "assistant", "content": ""}."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }],
-    }
+    return _body("chat.completion.chunk", completion_id, model, created,
+                 _choice("delta", {"role": "assistant", "content": ""}, None, None))
 
 
 def chat_chunk(
     completion_id: str, model: str, created: int, text: str, logprobs: JsonDict | None = None
 ) -> JsonDict:
     """A chat.completion.chunk carrying text (delta {"content": text}) and its tokens' logprobs."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "delta": {"content": text},
-            "logprobs": logprobs,
-            "finish_reason": None,
-        }],
-    }
+    return _body("chat.completion.chunk", completion_id, model, created,
+                 _choice("delta", {"content": text}, logprobs, None))
 
 
 def chat_chunk_last(
     completion_id: str, model: str, created: int, finish_reason: FinishReason
 ) -> JsonDict:
     """The chunk that ends a chat stream: empty delta and the finish reason."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "delta": {},
-            "logprobs": None,
-            "finish_reason": FINISH_REASONS[finish_reason],
-        }],
-    }
+    return _body("chat.completion.chunk", completion_id, model, created,
+                 _choice("delta", {}, None, finish_reason))
 
 
 def chat_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:
     """With stream_options.include_usage: the very last chunk, no choices, the usage."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_body(usage),
-    }
+    return _body("chat.completion.chunk", completion_id, model, created, [], usage)
 
 
 # --- completions --------------------------------------------------------------------------------
@@ -223,19 +192,8 @@ def text_completion(
     logprobs: JsonDict | None = None,
 ) -> JsonDict:
     """A non-streamed text_completion; `logprobs` from `completion_logprobs` when asked for."""
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": FINISH_REASONS[finish_reason],
-        }],
-        "usage": usage_body(usage),
-    }
+    return _body("text_completion", completion_id, model, created,
+                 _choice("text", text, logprobs, finish_reason), usage)
 
 
 def completion_chunk(
@@ -247,27 +205,10 @@ def completion_chunk(
     finish_reason: FinishReason | None = None,
 ) -> JsonDict:
     """A streamed text_completion chunk; the last one carries `finish_reason` (text may be "")."""
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason],
-        }],
-    }
+    return _body("text_completion", completion_id, model, created,
+                 _choice("text", text, logprobs, finish_reason))
 
 
 def completion_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:
     """With stream_options.include_usage: the very last chunk, no choices, the usage."""
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_body(usage),
-    }
+    return _body("text_completion", completion_id, model, created, [], usage)

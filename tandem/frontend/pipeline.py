@@ -120,7 +120,7 @@ class Pipeline:
         detok = self.new_detokenizer(req)
         engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
         start = last = time.perf_counter()
-        emitted = 0
+        emitted = cached = 0
         chunks = self.decode.generate(worker.address, engine_req, req.timeout_s)
         try:
             async for chunk in chunks:
@@ -128,13 +128,14 @@ class Pipeline:
                 self.metrics.observe_chunk(now - start if emitted == 0 else None,
                                            now - last, len(chunk.token_ids))
                 last = now
+                if chunk.cached_tokens is not None:
+                    cached = chunk.cached_tokens
                 text = detok.add(chunk.token_ids)
                 if detok.stopped:
                     # A stop string ended the answer: keep the tokens up to it, drop the rest.
                     kept = chunk.token_ids[:max(detok.num_tokens - emitted, 0)]
                     emitted += len(kept)
-                    usage = Usage(len(req.prompt_token_ids), emitted,
-                                  chunk.usage.cached_tokens if chunk.usage else 0)
+                    usage = Usage(len(req.prompt_token_ids), emitted, cached)
                     yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP, usage)
                     return
                 emitted += len(chunk.token_ids)

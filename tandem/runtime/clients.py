@@ -133,7 +133,8 @@ class DecodeClients:
                     list(msg.token_ids),
                     [convert.logprob_from_pb(lp) for lp in msg.logprobs] if msg.logprobs else [],
                     convert.finish_from_pb(msg.finish_reason),
-                    convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None)
+                    convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None,
+                    msg.cached_tokens if msg.HasField("cached_tokens") else None)
         except grpc.aio.AioRpcError as exc:
             raise status.from_rpc_error(exc, f"decode worker {address}") from None
         finally:

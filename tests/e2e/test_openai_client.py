@@ -83,3 +83,18 @@ def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI, topology: 
     assert usages[0].prompt_tokens > 64
     assert usages[0].prompt_tokens_details.cached_tokens == 0
     assert max(u.prompt_tokens_details.cached_tokens for u in usages[2:]) >= 32
+
+
+def test_stop_string_answer_still_reports_cached_tokens(slow_topology: Topology) -> None:
+    # Real-time steps: tokens arrive a few per chunk, so an early stop string ends the answer
+    # mid-stream, before the worker's final usage arrives.
+    client = openai.OpenAI(base_url=slow_topology.http_url + "/v1", api_key="x", max_retries=0)
+    prompt = "Cached prefix for a stop-string answer. " * 12
+    args = dict(model=slow_topology.model, prompt=prompt, max_tokens=60, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    stop = whole[len(whole) // 5:len(whole) // 5 + 3]
+    assert stop.strip(), "need a visible stop string"
+    cut = client.completions.create(**args, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 30
+    assert cut.usage.prompt_tokens_details.cached_tokens >= 32

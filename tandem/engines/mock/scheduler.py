@@ -169,6 +169,7 @@ class Scheduler:
         if not req.was_admitted:
             req.num_cached = cached
             req.was_admitted = True
+            req.stream.set_cached_tokens(cached)
         req.num_computed = cached
         self._advance(req, n, plan)
         return True
