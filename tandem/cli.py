@@ -5,6 +5,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tandem.errors import TandemError
+
 # stage -> (module, function taking the remaining argv); imported lazily per stage.
 _SERVE: dict[str, tuple[str, str]] = {
     "frontend": ("services.frontend.main", "main"),
@@ -21,7 +23,14 @@ Each command takes --help."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except TandemError as exc:  # bad flags or config: a message, not a traceback
+        print(f"tandem: error: {exc.message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _dispatch(args: list[str]) -> None:
     command = args[0] if args else ""
     if command == "serve" and len(args) > 1 and args[1] in _SERVE:
         stage, rest = args[1], args[2:]

@@ -1,6 +1,7 @@
 """`tandem serve <prefill|decode|encode>`: one worker process of the given stage."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ from services.common.kv_events import KvEventsServicer
 from services.decode.servicer import DecodeServicer
 from services.encode.servicer import EncodeServicer
 from services.prefill.servicer import PrefillServicer
+from tandem.errors import InvalidRequest
 from tandem.runtime import config as config_lib
 from tandem.runtime import loop
 from tandem.runtime.worker import Worker, run_worker
@@ -19,6 +21,8 @@ from tandem.v1 import decode_pb2_grpc, encode_pb2_grpc, kv_events_pb2_grpc, pref
 class Stage:
     service_name: str
     register: Callable[[Worker], None]
+    #: --disaggregation-mode values this stage runs in; the first is its default.
+    modes: tuple[str, ...]
 
 
 def _decode(w: Worker) -> None:
@@ -28,7 +32,7 @@ def _decode(w: Worker) -> None:
 
 def _prefill(w: Worker) -> None:
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(w.engine, w.service.draining), w.service.server)
+        PrefillServicer(w.engine, w.service.draining, w.config.kv_lease_ms), w.service.server)
 
 
 def _encode(w: Worker) -> None:
@@ -37,9 +41,9 @@ def _encode(w: Worker) -> None:
 
 
 STAGES: dict[str, Stage] = {
-    "decode": Stage("tandem.v1.Decode", _decode),
-    "prefill": Stage("tandem.v1.Prefill", _prefill),
-    "encode": Stage("tandem.v1.Encode", _encode),
+    "decode": Stage("tandem.v1.Decode", _decode, ("agg", "decode")),
+    "prefill": Stage("tandem.v1.Prefill", _prefill, ("prefill",)),
+    "encode": Stage("tandem.v1.Encode", _encode, ("encode",)),
 }
 
 
@@ -53,8 +57,19 @@ def _registration(stage: Stage) -> Callable[[Worker], None]:
     return register
 
 
+def _with_stage_mode(config: WorkerConfig, stage: str, spec: Stage) -> WorkerConfig:
+    if config.disaggregation_mode == "agg" and "agg" not in spec.modes:
+        return dataclasses.replace(config, disaggregation_mode=spec.modes[0])
+    if config.disaggregation_mode not in spec.modes:
+        raise InvalidRequest(f"a {stage} worker runs in --disaggregation-mode "
+                             f"{' or '.join(spec.modes)}, not '{config.disaggregation_mode}'",
+                             param="disaggregation_mode")
+    return config
+
+
 def main(stage: str, argv: Sequence[str]) -> None:
     config = config_lib.load(WorkerConfig, argv, prog=f"tandem serve {stage}",
                              description=f"Run a Tandem {stage} worker.")
     spec = STAGES[stage]
+    config = _with_stage_mode(config, stage, spec)
     loop.run(run_worker(config, stage, _registration(spec), [spec.service_name]))

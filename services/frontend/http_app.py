@@ -60,7 +60,6 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, kind: Kind, endpoint: str) -> web.StreamResponse:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id")
         try:
             if self.draining.active:
                 raise Unavailable("the frontend is draining")
@@ -69,10 +68,15 @@ class OpenAIRoutes:
             except (ValueError, UnicodeDecodeError) as exc:
                 raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
             parsed = parse_request(body, kind, request.headers)
-            gen = self.frontend.prepare(parsed, request_id)
+            gen = self.frontend.prepare(parsed)
+        except web.HTTPException:
+            raise  # e.g. 413 from request.read(): json_errors gives it the OpenAI shape
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
             return self._error(exc, endpoint)
         token = logs.request_id_var.set(gen.request_id)
+        client_id = request.headers.get("x-request-id")
+        if client_id:
+            log.info("request", extra={"client_request_id": client_id})
         in_flight = self.metrics.in_flight.labels(self.metrics.model)
         in_flight.inc()
         responder = OpenAIResponder(parsed, self.frontend.model.name,

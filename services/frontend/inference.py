@@ -72,12 +72,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise Unavailable("the frontend is draining")
         body, kind = openai_body(request)
         parsed = parse_request(body, kind)
-        gen = self.frontend.prepare(parsed, request.request_id or None,
-                                    context.time_remaining())
+        priority = request.priority if request.HasField("priority") else None
+        gen = self.frontend.prepare(parsed, context.time_remaining(), priority)
+        echo_id = request.request_id or gen.request_id
         deltas = self.frontend.pipeline.generate(gen)
         try:
             async for delta in deltas:
-                chunk = pb.InferenceChunk(request_id=gen.request_id, text=delta.text,
+                chunk = pb.InferenceChunk(request_id=echo_id, text=delta.text,
                                           token_ids=delta.token_ids)
                 if delta.logprobs:
                     chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in delta.logprobs)

@@ -42,6 +42,10 @@ class FrontendConfig:
     max_seq_len: int = 0
     #: Largest accepted HTTP request body, bytes.
     max_request_bytes: int = 32 * 1024 * 1024
+    #: Longest a request may take end to end, seconds (then 504 / DEADLINE_EXCEEDED); 0: none.
+    request_timeout_s: float = 0.0
+    #: Longest wait for the router's answer, seconds.
+    router_timeout_s: float = 10.0
     grace_period_s: float = 30.0
     log_level: str = "info"
 
@@ -52,12 +56,15 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, RouterClient, Deco
     model = ModelInfo(config.served_model_name or model_dir.name,
                       config.max_seq_len or model_config.max_position_embeddings)
     tokenizer = Tokenizer.from_dir(model_dir)
-    router, decode = RouterClient(config.router_address), DecodeClients()
+    router = RouterClient(config.router_address, timeout_s=config.router_timeout_s)
+    decode = DecodeClients()
     pipeline = Pipeline(router, decode,
-                        lambda req: IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
-                                                          stop=req.stop),
+                        lambda req: IncrementalDetokenizer(
+                            tokenizer, req.prompt_token_ids, stop=req.stop,
+                            skip_special_tokens=req.skip_special_tokens),
                         FrontendMetrics(model.name))
-    return Frontend(model, tokenizer, pipeline), router, decode
+    frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None)
+    return frontend, router, decode
 
 
 async def serve(config: FrontendConfig) -> None:

@@ -11,13 +11,12 @@ from tandem.runtime.server import Draining
 from tandem.v1 import prefill_pb2 as pb
 from tandem.v1 import prefill_pb2_grpc
 
-DEFAULT_LEASE_MS = 30_000
-
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: Engine, draining: Draining) -> None:
+    def __init__(self, engine: Engine, draining: Draining, default_lease_ms: int) -> None:
         self.engine = engine
         self.draining = draining
+        self.default_lease_ms = default_lease_ms
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -29,7 +28,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             request_id=request.request_id, prompt_token_ids=tuple(request.token_ids),
             sampling=convert.sampling_from_pb(request.sampling, default_max_tokens=1),
             embeddings=tuple(convert.embedding_from_pb(e) for e in request.embeddings))
-        lease_ms = request.lease_ms if request.HasField("lease_ms") else DEFAULT_LEASE_MS
+        lease_ms = request.lease_ms if request.HasField("lease_ms") else self.default_lease_ms
         result = await self.engine.prefill(engine_req, lease_ms)
         response = pb.PrefillResponse(first_token=convert.logprob_to_pb(result.first_token),
                                       cached_tokens=result.cached_tokens,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from services.router.servicer import RouterServicer
 from tandem.errors import InvalidRequest
-from tandem.routing.round_robin import RoundRobinRouter
+from tandem.routing.round_robin import create_router
 from tandem.routing.workers import WorkerRef
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, loop
@@ -32,13 +32,11 @@ class RouterConfig:
 async def serve(config: RouterConfig) -> None:
     logs.setup("router", config.log_level)
     log.info("config", extra={"config": config_lib.as_dict(config)})
-    if config.policy != "round_robin":
-        raise InvalidRequest(f"unknown router policy '{config.policy}'; supported: round_robin",
-                             param="policy")
     if not config.decode_workers:
         raise InvalidRequest("router needs at least one --decode-workers address",
                              param="decode_workers")
-    router = RoundRobinRouter([WorkerRef(a, a, "decode") for a in config.decode_workers])
+    router = create_router(config.policy, [WorkerRef(a, a, "decode")
+                                           for a in config.decode_workers])
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
                           ["tandem.v1.Router"])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), service.server)

@@ -2,13 +2,15 @@
 model check, tokenization, context-length limits, and the request pipeline."""
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.openai_request import ParsedRequest
-from tandem.frontend.pipeline import GenerationRequest, Pipeline, SlaHints
+from tandem.frontend.pipeline import GenerationRequest, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
+from tandem.routing.workers import SlaHints
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,10 +20,13 @@ class ModelInfo:
 
 
 class Frontend:
-    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline) -> None:
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline,
+                 request_timeout_s: float | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
+        #: Longest a request may take end to end; None: no limit of the frontend's own.
+        self.request_timeout_s = request_timeout_s
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -44,9 +49,13 @@ class Frontend:
                                  param="prompt")
         return ids
 
-    def prepare(self, parsed: ParsedRequest, request_id: str | None = None,
-                timeout_s: float | None = None) -> GenerationRequest:
+    def prepare(self, parsed: ParsedRequest, timeout_s: float | None = None,
+                priority: int | None = None) -> GenerationRequest:
         """Validates the request against the served model and tokenizes it.
+
+        The request gets a fresh internal id: a client's id is for its logs only, never a key
+        the router or an engine could see collide. `timeout_s` (the client's deadline) is capped
+        by the frontend's own request timeout.
 
         Raises:
             ModelNotFound: the request names another model.
@@ -66,11 +75,13 @@ class Frontend:
             raise InvalidRequest(
                 f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this model's "
                 f"context of {limit} tokens", param="max_tokens")
+        limits = [t for t in (timeout_s, self.request_timeout_s) if t is not None]
         return GenerationRequest(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt,
             sampling=parsed.sampling(max_tokens),
             stop=parsed.stop,
-            sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms),
-            timeout_s=timeout_s,
+            skip_special_tokens=parsed.skip_special_tokens,
+            sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms, priority),
+            deadline=time.monotonic() + min(limits) if limits else None,
         )

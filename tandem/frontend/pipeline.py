@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,29 +22,34 @@ from tandem.engines.types import (
     TokenLogprob,
     Usage,
 )
-from tandem.errors import Unavailable, UpstreamError
+from tandem.errors import DeadlineExceeded, Overloaded, Unavailable, UpstreamError
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics
-from tandem.routing.workers import RouteDecision, WorkerRef
+from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class SlaHints:
-    ttft_ms: float | None = None
-    itl_ms: float | None = None
-    priority: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    #: Tandem's own id (unique), used by the router and the engine; never the client's.
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
     sla: SlaHints = field(default_factory=SlaHints)
-    timeout_s: float | None = None
+    #: time.monotonic() by which the request must be done; None: no deadline.
+    deadline: float | None = None
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline. Raises DeadlineExceeded once it has passed."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed")
+        return left
 
 
 @dataclass(slots=True)
@@ -59,7 +65,8 @@ class Delta:
 
 class RouterPort(Protocol):
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
-                    sla: SlaHints, exclude_ids: tuple[str, ...] = ()) -> RouteDecision: ...
+                    sla: SlaHints, exclude_ids: tuple[str, ...] = (),
+                    timeout_s: float | None = None) -> RouteDecision: ...
 
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
         """Queues the release of a request's load; never blocks the caller."""
@@ -84,13 +91,16 @@ class Pipeline:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
-        decision = await self.router.route(req.request_id, req.prompt_token_ids,
-                                           req.sampling.max_tokens, req.sla)
         outcome, produced = "error", 0
         try:
-            async for delta in self._stream(req, decision.decode_workers):
-                produced += len(delta.token_ids)
-                yield delta
+            # Inside the try: a client gone during Route must still release what it counted.
+            decision = await self.router.route(req.request_id, req.prompt_token_ids,
+                                               req.sampling.max_tokens, req.sla,
+                                               timeout_s=req.remaining_s())
+            async with aclosing(self._stream(req, decision.decode_workers)) as deltas:
+                async for delta in deltas:
+                    produced += len(delta.token_ids)
+                    yield delta
             outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -99,29 +109,31 @@ class Pipeline:
             self.router.report_completion(req.request_id, outcome, produced)
 
     async def _stream(self, req: GenerationRequest,
-                      workers: tuple[WorkerRef, ...]) -> AsyncIterator[Delta]:
+                      workers: tuple[WorkerRef, ...]) -> AsyncGenerator[Delta, None]:
         if not workers:
             raise Unavailable("router returned no decode worker")
         started = False
         for index, worker in enumerate(workers):
             try:
-                async for delta in self._from_worker(req, worker):
-                    started = True
-                    yield delta
+                async with aclosing(self._from_worker(req, worker)) as deltas:
+                    async for delta in deltas:
+                        started = True
+                        yield delta
                 return
-            except Unavailable as exc:
+            except (Unavailable, Overloaded) as exc:
                 # Nothing reached the client yet: the next fallback can serve it unseen.
                 if started or index == len(workers) - 1:
                     raise
-                log.warning("decode worker unavailable, trying next",
+                log.warning("decode worker refused the request, trying the next",
                             extra={"worker": worker.worker_id, "error": exc.message})
 
-    async def _from_worker(self, req: GenerationRequest, worker: WorkerRef) -> AsyncIterator[Delta]:
+    async def _from_worker(self, req: GenerationRequest,
+                           worker: WorkerRef) -> AsyncGenerator[Delta, None]:
         detok = self.new_detokenizer(req)
         engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
         start = last = time.perf_counter()
         emitted = cached = 0
-        chunks = self.decode.generate(worker.address, engine_req, req.timeout_s)
+        chunks = self.decode.generate(worker.address, engine_req, req.remaining_s())
         try:
             async for chunk in chunks:
                 now = time.perf_counter()

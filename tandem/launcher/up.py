@@ -13,13 +13,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes, with_model
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs
+from tandem.runtime.health_probe import wait_serving
 
 log = logging.getLogger("tandem.up")
 _PR_SET_PDEATHSIG = 1
@@ -33,18 +31,8 @@ def _die_with_parent() -> None:
 
 async def _wait_serving(address: str, child: subprocess.Popen[bytes]) -> None:
     """Returns when the service at `address` reports SERVING; raises if its process exits."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while child.poll() is None:
-            try:
-                # Watch streams status changes; wait_for_ready holds the call until the port opens.
-                async for reply in stub.Watch(health_pb2.HealthCheckRequest(service=""),
-                                              wait_for_ready=True, timeout=2.0):
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-            except grpc.aio.AioRpcError:
-                continue  # not listening yet (the 2 s timeout bounds each try)
-    raise RuntimeError(f"{address} exited with code {child.returncode} before it was ready")
+    if not await wait_serving(address, lambda: child.poll() is None):
+        raise RuntimeError(f"{address} exited with code {child.returncode} before it was ready")
 
 
 class Topology:
@@ -55,7 +43,10 @@ class Topology:
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for spec in self.specs:
+            # Own session: a Ctrl-C on the terminal reaches only the launcher, which then stops
+            # the children in order (frontend first) instead of all at once.
             self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
+                                                        start_new_session=True,
                                                         preexec_fn=_die_with_parent)
             log.info("started", extra={"service": spec.name, "pid": self.children[spec.name].pid})
 

@@ -1,9 +1,9 @@
 """The minimal router: round robin over one pool of decode workers, with in-flight counting."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from tandem.errors import Unavailable
+from tandem.errors import InvalidRequest, Unavailable
 from tandem.routing.workers import InFlight, RouteDecision, WorkerRef
 
 
@@ -28,3 +28,18 @@ class RoundRobinRouter:
 
     def complete(self, request_id: str) -> bool:
         return self.in_flight.remove(request_id)
+
+
+#: Router policies by name (the grid and KV-aware policies join here).
+POLICIES: dict[str, Callable[[Sequence[WorkerRef]], RoundRobinRouter]] = {
+    "round_robin": RoundRobinRouter,
+}
+
+
+def create_router(policy: str, workers: Sequence[WorkerRef]) -> RoundRobinRouter:
+    """Builds the named policy. Raises InvalidRequest listing the supported names."""
+    factory = POLICIES.get(policy)
+    if factory is None:
+        raise InvalidRequest(f"unknown router policy '{policy}'; supported: "
+                             f"{', '.join(sorted(POLICIES))}", param="policy")
+    return factory(workers)

@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class SlaHints:
+    """A request's latency targets (milliseconds) and priority, as the router reads them."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRef:
     worker_id: str
     address: str

@@ -9,8 +9,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from tandem.engines.types import EngineRequest, TokenChunk
-from tandem.frontend.pipeline import SlaHints
-from tandem.routing.workers import RouteDecision, WorkerRef
+from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
@@ -34,8 +33,10 @@ class RouterClient:
     learns of a completion at most `flush_ms` late.
     """
 
-    def __init__(self, address: str, flush_ms: float = 20.0) -> None:
+    def __init__(self, address: str, flush_ms: float = 20.0, timeout_s: float = 10.0) -> None:
         self.address = address
+        #: Longest wait for a Route answer when the request itself has no nearer deadline.
+        self.timeout_s = timeout_s
         self.flush_s = flush_ms / 1000
         self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
@@ -51,21 +52,28 @@ class RouterClient:
         return pending
 
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
-                    sla: SlaHints, exclude_ids: tuple[str, ...] = ()) -> RouteDecision:
+                    sla: SlaHints, exclude_ids: tuple[str, ...] = (),
+                    timeout_s: float | None = None) -> RouteDecision:
+        completed = self._take_pending()
         request = router_pb2.RouteRequest(
             request_id=request_id, token_ids=token_ids, isl=len(token_ids),
-            expected_osl=expected_osl, exclude_worker_ids=exclude_ids,
-            completed=self._take_pending())
+            expected_osl=expected_osl, exclude_worker_ids=exclude_ids, completed=completed)
         if sla.ttft_ms is not None:
             request.sla.ttft_ms = sla.ttft_ms
         if sla.itl_ms is not None:
             request.sla.itl_ms = sla.itl_ms
         if sla.priority is not None:
             request.priority = sla.priority
+        timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         try:
-            reply = await self._stub.Route(request, metadata=((REQUEST_ID_KEY, request_id),))
-        except grpc.aio.AioRpcError as exc:
-            raise status.from_rpc_error(exc, f"router {self.address}") from None
+            reply = await self._stub.Route(request, timeout=timeout,
+                                           metadata=((REQUEST_ID_KEY, request_id),))
+        except BaseException as exc:
+            # The router may not have read them: report those completions again (idempotent).
+            self._requeue(completed)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise status.from_rpc_error(exc, f"router {self.address}") from None
+            raise
         return RouteDecision(decode_workers=tuple(_ref(w) for w in reply.decode_workers),
                              prefill_workers=tuple(_ref(w) for w in reply.prefill_workers),
                              encode_workers=tuple(_ref(w) for w in reply.encode_workers),
@@ -73,8 +81,13 @@ class RouterClient:
                              overlap_blocks=reply.overlap_blocks)
 
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
-        self._pending.append(router_pb2.Completion(
-            request_id=request_id, outcome=_OUTCOMES[outcome], output_tokens=output_tokens))
+        self._requeue([router_pb2.Completion(
+            request_id=request_id, outcome=_OUTCOMES[outcome], output_tokens=output_tokens)])
+
+    def _requeue(self, completions: list[router_pb2.Completion]) -> None:
+        if not completions:
+            return
+        self._pending.extend(completions)
         if self._flush_timer is None:
             self._flush_timer = asyncio.get_running_loop().call_later(self.flush_s,
                                                                       self._start_flush)
@@ -91,7 +104,8 @@ class RouterClient:
         if not pending:
             return
         try:
-            await self._stub.Complete(router_pb2.CompleteRequest(completions=pending))
+            await self._stub.Complete(router_pb2.CompleteRequest(completions=pending),
+                                      timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             # The router keeps counting these until it restarts; nothing else to do here.
             log.warning("router Complete failed", extra={"error": exc.details(),

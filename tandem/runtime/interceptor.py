@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -48,12 +49,16 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
     return handler
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[..., AsyncGenerator[Any, None]],
+                 method: str) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         logs.request_id_var.set(_request_id(context))
         try:
-            async for item in behavior(request, context):
-                yield item
+            # aclosing: when the call ends early, the servicer's cleanup (engine abort) runs now,
+            # not whenever the garbage collector finalizes its generator.
+            async with aclosing(behavior(request, context)) as items:
+                async for item in items:
+                    yield item
         except (grpc.aio.AbortError, grpc.aio.BaseError):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed

@@ -30,7 +30,9 @@ def code_for(exc: errors.TandemError) -> grpc.StatusCode:
 def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.TandemError:
     """A typed error for a failed call to `peer`, keeping the peer's message."""
     cls = _ERRORS_BY_CODE.get(exc.code(), errors.UpstreamError)
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        # A peer that cancels our call (e.g. its drain grace ran out) is unavailable to a client
+        # that is still here: retryable, never the client's own "cancelled".
         return errors.Unavailable(f"{peer} unavailable: {exc.details()}")
     if cls is errors.UpstreamError:
         return errors.UpstreamError(f"{peer} failed ({exc.code().name}): {exc.details()}")

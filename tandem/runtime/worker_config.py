@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engines.args import EngineArgs
+from tandem.errors import InvalidRequest
+
+DISAGGREGATION_MODES = ("agg", "prefill", "decode", "encode")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,16 @@ class WorkerConfig:
     load_interval_ms: int = 100
     #: Seconds in-flight requests get to finish after SIGTERM.
     grace_period_s: float = 30.0
+    #: How long a prefill worker keeps a request's KV blocks for its decode worker, ms.
+    kv_lease_ms: int = 30_000
     log_level: str = "info"
     engine_args: EngineArgs = field(default_factory=EngineArgs)
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise InvalidRequest(
+                f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                f"got '{self.disaggregation_mode}'", param="disaggregation_mode")
 
     @property
     def identity(self) -> str:

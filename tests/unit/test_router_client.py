@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from services.router.servicer import RouterServicer
-from tandem.frontend.pipeline import SlaHints
 from tandem.routing.round_robin import RoundRobinRouter
-from tandem.routing.workers import WorkerRef
+from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.runtime.clients import RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
