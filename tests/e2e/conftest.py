@@ -17,7 +17,8 @@ def topology() -> Iterator[Topology]:
 
 @pytest.fixture(scope="session")
 def slow_topology() -> Iterator[Topology]:
-    """The same topology with the mock engine's timing model on (real-time step times)."""
-    topo = start_topology("--engine", "mock", "--speedup-ratio", "1", num_decode=1)
+    """The same topology with the mock engine's timing model on, five times slower than real
+    time (~30 ms per decode step), so that a long answer cannot finish inside a test's wait."""
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "0.2", num_decode=1)
     yield topo
     assert topo.stop() == 0
