@@ -84,13 +84,14 @@ async def serve(config: FrontendConfig) -> None:
     site = web.TCPSite(runner, config.host, config.http_port)
     await site.start()
 
-    async def stop_http() -> None:
-        # Refuses new connections and waits for in-flight responses up to the grace period.
-        await runner.cleanup()
-        await router.close()
+    async def close_clients() -> None:
+        await router.close()  # flushes the last completion reports
         await decode.close()
 
-    grpc_service.on_close(stop_http)
+    # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
+    # period, while the gRPC API drains too.
+    grpc_service.on_drain(runner.cleanup)
+    grpc_service.on_close(close_clients)
     log.info("http listening", extra={"url": f"http://{config.host}:{config.http_port}"})
     await grpc_service.run()
 

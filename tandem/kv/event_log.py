@@ -3,6 +3,7 @@ set of blocks currently stored for subscribers that must resync."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +27,9 @@ class EventLog:
     """
 
     def __init__(self, capacity: int = 10000) -> None:
+        #: Identifies this log's lifetime: sequence numbers restart with a new epoch (a restarted
+        #: worker), so a subscriber's old sequence number means nothing under another epoch.
+        self.epoch = secrets.randbits(63)
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.capacity = capacity

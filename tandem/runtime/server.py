@@ -65,6 +65,7 @@ class GrpcService:
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {options.host}:{options.port}")
         self._close_hooks: list[CloseHook] = []
+        self._drain_hooks: list[CloseHook] = []
         self._stop = asyncio.Event()
 
     @property
@@ -74,6 +75,11 @@ class GrpcService:
     def on_close(self, hook: CloseHook) -> None:
         """Runs after the drain, in registration order."""
         self._close_hooks.append(hook)
+
+    def on_drain(self, hook: CloseHook) -> None:
+        """Runs during the drain, alongside the gRPC server's (e.g. another listener's drain);
+        it should finish within the grace period too."""
+        self._drain_hooks.append(hook)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -100,8 +106,10 @@ class GrpcService:
         log.info("draining", extra={"grace_s": self.options.grace_s})
         self.draining.active = True
         await self.health.close()
-        # stop() refuses new RPCs at once and waits up to grace_s for the running ones.
-        await self.server.stop(self.options.grace_s)
+        # stop() refuses new RPCs at once and waits up to grace_s for the running ones; other
+        # listeners drain at the same time, so the whole drain fits one grace period.
+        await asyncio.gather(self.server.stop(self.options.grace_s),
+                             *(hook() for hook in self._drain_hooks))
         for hook in self._close_hooks:
             await hook()
         log.info("stopped")

@@ -71,3 +71,10 @@ def test_services_stay_up_after_bad_inputs(topology: Topology) -> None:
     assert reply.usage.completion_tokens == 3
     with urllib.request.urlopen(topology.http_url + "/health", timeout=10) as health:
         assert health.status == 200
+
+
+def test_oversized_body_is_413_in_openai_shape(topology: Topology) -> None:
+    filler = "x" * (33 * 1024 * 1024)  # over the 32 MiB default limit
+    code, reply = post(topology, "/v1/chat/completions", chat(topology.model, user=filler))
+    assert code == 413, reply
+    assert reply["error"]["message"]

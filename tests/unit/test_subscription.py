@@ -1,0 +1,89 @@
+"""A subscriber's view of the KV event log: replay, resync cases, and load only on change."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from tandem.engines.types import BlockRemoved, BlockStored, EngineStats
+from tandem.kv.event_log import EventLog
+from tandem.kv.subscription import Batch, Resync, subscribe
+
+IDLE = EngineStats(0, 0, 0, 64, 0, 0, 0.0)
+
+
+def stored(h: int, parent: int | None = None) -> BlockStored:
+    return BlockStored((h,), parent, (1, 2), 2)
+
+
+def filled_log(capacity: int = 100) -> EventLog:
+    log = EventLog(capacity)
+    log.append([stored(1)])
+    log.append([stored(2, 1)])
+    log.append([BlockRemoved((2,))])
+    return log
+
+
+async def take(n: int, log: EventLog, start: int | None, epoch: int | None = None,
+               stats=lambda: IDLE, interval: float = 0.01) -> list:
+    out: list = []
+    closing = False
+    async for message in subscribe(log, stats, start, epoch, interval, lambda: closing):
+        out.append(message)
+        if len(out) == n:
+            closing = True
+            break
+    return out
+
+
+async def test_replay_from_a_sequence_then_load() -> None:
+    log = filled_log()
+    messages = await take(3, log, start=2, epoch=log.epoch)
+    assert messages == [Batch(2, (stored(2, 1),)), Batch(3, (BlockRemoved((2,)),)), IDLE]
+
+
+async def test_no_start_means_snapshot() -> None:
+    log = filled_log()
+    first, load = await take(2, log, start=None)
+    assert first == Resync(3, [stored(1)]) and load == IDLE
+
+
+async def test_sequence_older_than_the_buffer_resyncs() -> None:
+    log = filled_log(capacity=1)
+    (first,) = await take(1, log, start=1, epoch=log.epoch)
+    assert isinstance(first, Resync) and first.sequence == 3
+
+
+async def test_sequence_beyond_the_log_resyncs() -> None:
+    # A subscriber that saw more than this log has (the worker restarted) must not wait silently.
+    log = filled_log()
+    (first,) = await take(1, log, start=5000)
+    assert isinstance(first, Resync) and first.sequence == 3
+
+
+async def test_other_epoch_resyncs() -> None:
+    log = filled_log()
+    (first,) = await take(1, log, start=2, epoch=log.epoch + 1)
+    assert isinstance(first, Resync)
+
+
+async def test_live_batches_follow_and_load_only_when_it_changes() -> None:
+    log = filled_log()
+    current = [IDLE]
+    received: list = []
+
+    async def consume() -> None:
+        closing = False
+        async for message in subscribe(log, lambda: current[0], 4, log.epoch, 0.01,
+                                       lambda: closing):
+            received.append(message)
+            if isinstance(message, EngineStats) and message.num_running == 1:
+                closing = True
+                break
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)  # several load intervals with an unchanged load
+    assert received == [IDLE]
+    log.append([stored(7)])
+    current[0] = replace(IDLE, num_running=1)
+    await asyncio.wait_for(task, 5)
+    assert received == [IDLE, Batch(4, (stored(7),)), replace(IDLE, num_running=1)]
