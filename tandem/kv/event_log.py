@@ -3,8 +3,8 @@ set of blocks currently stored for subscribers that must resync."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import itertools
+import secrets
 from collections import deque
 from collections.abc import Sequence
 

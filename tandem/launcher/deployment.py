@@ -26,6 +26,8 @@ class Deployment:
     decode_ports: list[int] = field(default_factory=lambda: [9200])
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
+    #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
+    request_timeout_s: float = 0.0
     log_level: str = "info"
     #: Engine flags, forwarded to every worker (--model, --speedup-ratio, --kv-block-size ...).
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -58,6 +60,8 @@ def processes(d: Deployment) -> list[ServiceProcess]:
     frontend_flags = ["--model", d.engine_args.model] if d.engine_args.model else []
     if d.engine_args.max_seq_len:
         frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]
+    if d.request_timeout_s:
+        frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
     frontend = ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), "--router-address", f"{d.host}:{d.router_port}", *model,

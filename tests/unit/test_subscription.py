@@ -26,11 +26,9 @@ def filled_log(capacity: int = 100) -> EventLog:
 async def take(n: int, log: EventLog, start: int | None, epoch: int | None = None,
                stats=lambda: IDLE, interval: float = 0.01) -> list:
     out: list = []
-    closing = False
-    async for message in subscribe(log, stats, start, epoch, interval, lambda: closing):
+    async for message in subscribe(log, stats, start, epoch, interval, lambda: False):
         out.append(message)
         if len(out) == n:
-            closing = True
             break
     return out
 
@@ -72,12 +70,10 @@ async def test_live_batches_follow_and_load_only_when_it_changes() -> None:
     received: list = []
 
     async def consume() -> None:
-        closing = False
         async for message in subscribe(log, lambda: current[0], 4, log.epoch, 0.01,
-                                       lambda: closing):
+                                       lambda: False):
             received.append(message)
             if isinstance(message, EngineStats) and message.num_running == 1:
-                closing = True
                 break
 
     task = asyncio.create_task(consume())
