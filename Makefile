@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tandem-installed
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 NODE_CLIENT := tests/node/node_modules/.package-lock.json
 
-.PHONY: install up test test-unit test-e2e bench clean
+.PHONY: install up test lint test-unit bench clean
 
 install: $(STAMP)
 
@@ -23,8 +23,12 @@ $(NODE_CLIENT): tests/node/package.json tests/node/package-lock.json
 up: install
 	$(VENV)/bin/tandem up $(ARGS)
 
-test: install $(NODE_CLIENT)
+test: install $(NODE_CLIENT) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check tandem services tests benchmarks
+	$(VENV)/bin/mypy tandem services
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

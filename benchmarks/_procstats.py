@@ -166,7 +166,7 @@ class KvLoadSampler:
     @classmethod
     def for_decode_worker(
         cls, tandem_lines: list[str], frontend_address: str, override: str
-    ) -> "KvLoadSampler":
+    ) -> KvLoadSampler:
         """Finds the decode worker's address in `tandem up`'s output unless given one."""
         if override:
             return cls(override)

@@ -9,7 +9,7 @@ import grpc
 
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.frontend.frontend import Frontend
-from tandem.frontend.openai_request import parse_request
+from tandem.frontend.openai_request import Kind, parse_request
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
 from tandem.v1 import inference_pb2 as pb
@@ -27,7 +27,7 @@ def _message(msg: pb.ChatMessage) -> dict[str, Any]:
     return {"role": msg.role, "content": parts}
 
 
-def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], str]:
+def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
     """The equivalent OpenAI body and endpoint kind ("chat" or "completion")."""
     body: dict[str, Any] = {"model": request.model, "stop": list(request.stop) or None}
     s = request.sampling

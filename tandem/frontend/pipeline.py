@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -89,7 +89,7 @@ class Pipeline:
         self.new_detokenizer = new_detokenizer
         self.metrics = metrics
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
         outcome, produced = "error", 0
         try:

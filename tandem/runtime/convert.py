@@ -7,13 +7,13 @@ from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2 as pb
 from tandem.v1 import kv_events_pb2 as ev_pb
 
-_FINISH_TO_PB: dict[t.FinishReason | None, int] = {
+_FINISH_TO_PB: dict[t.FinishReason | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     t.FinishReason.STOP: pb.FINISH_REASON_STOP,
     t.FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     t.FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-_FINISH_FROM_PB: dict[int, t.FinishReason | None] = {v: k for k, v in _FINISH_TO_PB.items()}
+_FINISH_FROM_PB: dict[pb.FinishReason, t.FinishReason | None] = {v: k for k, v in _FINISH_TO_PB.items()}
 _BACKEND_TO_PB: dict[str, pb.TransferBackend] = {"nixl": pb.TRANSFER_BACKEND_NIXL, "trtllm": pb.TRANSFER_BACKEND_TRTLLM,
                   "mock": pb.TRANSFER_BACKEND_MOCK}
 _BACKEND_FROM_PB: dict[pb.TransferBackend, str] = {v: k for k, v in _BACKEND_TO_PB.items()}
@@ -57,11 +57,11 @@ def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def finish_to_pb(reason: t.FinishReason | None) -> int:
+def finish_to_pb(reason: t.FinishReason | None) -> pb.FinishReason:
     return _FINISH_TO_PB[reason]
 
 
-def finish_from_pb(value: int) -> t.FinishReason | None:
+def finish_from_pb(value: pb.FinishReason) -> t.FinishReason | None:
     return _FINISH_FROM_PB.get(value)
 
 
