@@ -11,9 +11,14 @@ NODE_CLIENT := tests/node/node_modules/.package-lock.json
 
 install: $(STAMP)
 
+# torch is pinned to 2.13.0: that spec installs a local CPU wheel in seconds, any other pulls
+# several GB of CUDA packages. Installed first so that Tandem's own `torch>=2.4` is satisfied.
+TORCH_SPEC ?= torch==2.13.0
+
 $(STAMP): pyproject.toml setup.py $(PROTOS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -19,8 +19,20 @@ class EngineArgs:
     max_seq_len: int = 0
     #: Most requests admitted but not yet running; past it new requests get RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
-    #: KV pool size in blocks for engines without a memory budget (the mock engine).
-    num_gpu_blocks: int = field(default=16384, metadata={"flag": "--num-gpu-blocks-override"})
+    #: KV pool size in blocks; 0: derived (reference: from the memory budget below; mock: 16384).
+    num_gpu_blocks: int = field(default=0, metadata={"flag": "--num-gpu-blocks-override"})
+    #: Reference engine on CUDA: fraction of the GPU memory free after loading the weights that
+    #: the KV pool takes.
+    free_gpu_memory_fraction: float = 0.9
+    #: Reference engine on CPU: bytes the KV pool takes.
+    kv_cache_cpu_bytes: int = 512 * 1024 * 1024
+    #: Reference engine: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    #: Reference engine: "auto" (the checkpoint's dtype on CUDA, float32 on CPU), "float32",
+    #: "float16" or "bfloat16".
+    dtype: str = "auto"
+    #: Reference engine: "auto" reads the weights; "dummy" makes random ones of the same shape.
+    load_format: str = "auto"
     #: Mock engine: divide simulated step times by this; 0 or >= 1e6 means no delay.
     speedup_ratio: float = 1.0
     #: Reuse cached KV blocks across requests with the same prefix.

@@ -14,6 +14,7 @@ EngineFactory = Callable[[EngineArgs], Engine]
 # tensorrt_llm) load only when that backend is used.
 _BACKENDS: dict[str, str] = {
     "mock": "tandem.engines.mock.engine:create_mock_engine",
+    "reference": "tandem.engines.reference.engine:create_reference_engine",
 }
 
 

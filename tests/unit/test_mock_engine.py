@@ -10,7 +10,7 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.mock import timing
 from tandem.engines.mock.engine import MockEngine, create_mock_engine
 from tandem.engines.mock.sampler import stream_key
-from tandem.engines.mock.scheduler import StepPlan
+from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.registry import create_engine
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -445,4 +445,4 @@ def test_registry_builds_the_mock_engine(tiny_model: str) -> None:
     assert engine.layout == KvLayout("bfloat16", 2, 2, 16, BS)
     assert engine.max_model_len == 2048
     with pytest.raises(InvalidRequest):
-        create_engine("mock", EngineArgs(model=tiny_model, num_gpu_blocks=0))
+        create_engine("mock", EngineArgs(model=tiny_model, num_gpu_blocks=-1))

@@ -1,4 +1,4 @@
-"""Per-request state of the mock engine."""
+"""Per-request state of a continuous-batching engine (mock and reference)."""
 from __future__ import annotations
 
 from tandem.engines.stream import RequestStream
@@ -7,7 +7,7 @@ from tandem.kv.block_pool import BlockTable
 from tandem.kv.hashing import hash_block
 
 
-class MockRequest:
+class BatchRequest:
     """One request's tokens, progress and KV blocks.
 
     `token_ids` is the prompt followed by every output token; `num_computed` counts the leading

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler of the mock engine (vLLM v1 / Dynamo mocker policy).
+"""Continuous-batching scheduler shared by the engines (vLLM v1 / Dynamo mocker policy).
 
 Each step: running requests first, in admission order, one decode token or one prefill chunk
 each while the token budget lasts; a request that cannot get its blocks preempts the newest
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.engines.mock.request import MockRequest
+from tandem.engines.batching.request import BatchRequest
 from tandem.kv.block_pool import BlockPool, PrefixMatch
 
 
@@ -20,11 +20,11 @@ class StepPlan:
     """What one step computes."""
 
     #: (request, tokens computed for it this step) in scheduling order.
-    scheduled: list[tuple[MockRequest, int]] = field(default_factory=list)
+    scheduled: list[tuple[BatchRequest, int]] = field(default_factory=list)
     #: Requests whose every token is computed at the end of the step: each samples one token.
-    ready: list[MockRequest] = field(default_factory=list)
+    ready: list[BatchRequest] = field(default_factory=list)
     #: Disaggregated requests admitted this step: each emits its prefill worker's first token.
-    first_tokens: list[MockRequest] = field(default_factory=list)
+    first_tokens: list[BatchRequest] = field(default_factory=list)
     #: New (uncached) prompt or recomputed tokens in the step, the T of the timing model.
     prefill_tokens: int = 0
     num_preempted: int = 0
@@ -44,18 +44,18 @@ class Scheduler:
         self.block_size = pool.block_size
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.waiting: deque[MockRequest] = deque()
-        self.running: list[MockRequest] = []
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: list[BatchRequest] = []
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def add(self, req: MockRequest) -> None:
+    def add(self, req: BatchRequest) -> None:
         self.waiting.append(req)
 
-    def drop(self, req: MockRequest) -> None:
+    def drop(self, req: BatchRequest) -> None:
         """Takes `req` out of its queue and frees its blocks (finish or abort)."""
         try:
             self.running.remove(req)
@@ -66,7 +66,7 @@ class Scheduler:
                 pass
         self.pool.free(req.table)
 
-    def release(self, req: MockRequest) -> None:
+    def release(self, req: BatchRequest) -> None:
         """Frees a finished request's blocks; `compact` drops it from `running` later, so that a
         step finishing many requests does not pay a list removal for each."""
         self.pool.free(req.table)
@@ -74,7 +74,7 @@ class Scheduler:
     def compact(self) -> None:
         self.running = [r for r in self.running if not r.is_finished]
 
-    def _preempt_newest(self) -> MockRequest:
+    def _preempt_newest(self) -> BatchRequest:
         victim = self.running.pop()
         self.pool.free(victim.table)
         victim.num_computed = 0
@@ -82,7 +82,7 @@ class Scheduler:
         self.num_preemptions += 1
         return victim
 
-    def _advance(self, req: MockRequest, n: int, plan: StepPlan) -> None:
+    def _advance(self, req: BatchRequest, n: int, plan: StepPlan) -> None:
         if req.is_prefilling:
             plan.prefill_tokens += n
         req.num_computed += n
@@ -140,7 +140,7 @@ class Scheduler:
             plan.num_admitted += 1
         return plan
 
-    def _admit_transferred(self, req: MockRequest, plan: StepPlan) -> bool:
+    def _admit_transferred(self, req: BatchRequest, plan: StepPlan) -> bool:
         """A request whose KV was computed elsewhere: allocate its prompt's blocks, no compute."""
         if not self.pool.can_allocate(req.num_prompt):
             return False
@@ -153,7 +153,7 @@ class Scheduler:
         plan.first_tokens.append(req)
         return True
 
-    def _admit_local(self, req: MockRequest, budget: int, plan: StepPlan) -> bool:
+    def _admit_local(self, req: BatchRequest, budget: int, plan: StepPlan) -> bool:
         pool, bs = self.pool, self.block_size
         total = len(req.token_ids)
         match = PrefixMatch((), total)

@@ -1,0 +1,272 @@
+"""A continuous-batching engine over a BlockPool: everything the mock and reference engines
+share (admission, validation, the step loop, finishing, aborting, stats). A backend supplies
+only `_execute`: what computing one scheduled step means (sleeping for a modelled time, or
+running a model and sampling).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import abstractmethod
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.base import Engine
+from tandem.engines.batching.request import BatchRequest
+from tandem.engines.batching.scheduler import Scheduler, StepPlan
+from tandem.engines.stream import RequestStream
+from tandem.engines.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    KvLayout,
+    TokenLogprob,
+    Usage,
+)
+from tandem.errors import FailedPrecondition, InvalidRequest, Overloaded, Unavailable
+from tandem.kv.block_pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+#: Most alternatives per token a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+#: The token a ready request samples this step, with its logprobs when asked for.
+Sampled = tuple[int, TokenLogprob | None]
+
+
+def validate_args(args: EngineArgs) -> None:
+    """Rejects batching arguments no engine can run with, naming the flag."""
+    for name in ("kv_block_size", "max_batch_size", "max_num_tokens", "max_queued_requests"):
+        if getattr(args, name) < 1:
+            raise InvalidRequest(f"{name} must be at least 1, got {getattr(args, name)}",
+                                 param=name)
+    if args.num_gpu_blocks < 0:
+        raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
+                             param="num_gpu_blocks")
+
+
+class BatchingEngine(Engine):
+    """The Engine contract over a Scheduler and BlockPool.
+
+    The step loop runs as one asyncio task from `start()` to `close()`. It waits on an event
+    while idle and yields to the event loop at least once per step.
+    """
+
+    #: KV handle transfer backends this engine can resume from.
+    accepted_backends: frozenset[str] = frozenset()
+
+    def __init__(self, args: EngineArgs, layout: KvLayout, max_model_len: int, vocab_size: int,
+                 eos_ids: frozenset[int], num_blocks: int) -> None:
+        super().__init__()
+        self.args = args
+        self._layout = layout
+        self._max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._eos_ids = eos_ids
+        self.pool = BlockPool(num_blocks, args.kv_block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
+        self._requests: dict[str, BatchRequest] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+        self.num_steps = 0
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+
+    # ---- what a backend supplies ------------------------------------------------------------
+
+    @abstractmethod
+    def _request_key(self, request: EngineRequest) -> int:
+        """The per-request value its sampling derives from (a seed or a stream key)."""
+
+    @abstractmethod
+    async def _execute(self, plan: StepPlan) -> list[Sampled]:
+        """Computes the scheduled step; returns one sampled token per request in `plan.ready`
+        (in that order). May await; requests aborted meanwhile are skipped by the caller."""
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        if self._closed or self._failure is not None:
+            raise Unavailable(f"the {self.name} engine is closed" if self._closed
+                              else f"the {self.name} engine failed: {self._failure}")
+        self._validate(request)
+        if len(self.scheduler.waiting) >= self.args.max_queued_requests:
+            raise Overloaded(f"the waiting queue is full ({self.args.max_queued_requests} "
+                             "requests); retry later")
+        stream = RequestStream(request.request_id)
+        req = BatchRequest(request, stream, self._request_key(request), self._eos_ids,
+                           self.args.kv_block_size)
+        self._requests[request.request_id] = req
+        self.scheduler.add(req)
+        self._wakeup.set()
+        return stream
+
+    def _validate(self, request: EngineRequest) -> None:
+        prompt = request.prompt_token_ids
+        sampling = request.sampling
+        if request.request_id in self._requests:
+            raise InvalidRequest(f"request id '{request.request_id}' is already in flight",
+                                 param="request_id")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty; at least one token is required",
+                                 param="prompt_token_ids")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidRequest(f"prompt token id {bad} at position {prompt.index(bad)} is "
+                                 f"outside the vocabulary [0, {self.vocab_size})",
+                                 param="prompt_token_ids")
+        if sampling.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}",
+                                 param="max_tokens")
+        if len(prompt) + sampling.max_tokens > self._max_model_len:
+            raise InvalidRequest(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+                f"{len(prompt) + sampling.max_tokens} tokens, beyond this model's maximum "
+                f"context length of {self._max_model_len} tokens", param="max_tokens")
+        needed = self.pool.blocks_for(len(prompt) + sampling.max_tokens)
+        if needed > self.pool.total:
+            raise InvalidRequest(
+                f"the prompt plus max_tokens needs {needed} KV blocks but this worker has only "
+                f"{self.pool.total}", param="max_tokens")
+        if sampling.top_logprobs is not None and not 0 <= sampling.top_logprobs <= \
+                MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                 f"{sampling.top_logprobs}", param="top_logprobs")
+        handle = request.kv_handle
+        if handle is None:
+            return
+        mismatch = self._layout.mismatch(handle.layout)
+        if mismatch is not None:
+            raise FailedPrecondition(mismatch, param="kv_handle")
+        if handle.backend not in self.accepted_backends:
+            raise FailedPrecondition(
+                f"KV handle transfer backend '{handle.backend}' cannot be used by the "
+                f"{self.name} engine (accepted: {', '.join(sorted(self.accepted_backends))})",
+                param="kv_handle")
+        if request.first_token is None:
+            raise InvalidRequest("a request with a KV handle must carry the prefill worker's "
+                                 "first token", param="first_token")
+        if handle.num_tokens != len(prompt):
+            raise FailedPrecondition(f"the KV handle covers {handle.num_tokens} tokens but the "
+                                     f"prompt has {len(prompt)}", param="kv_handle")
+
+    # ---- ending requests --------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return False
+        req.is_finished = True
+        self.scheduler.drop(req)
+        req.stream.finish(FinishReason.CANCELLED, self._usage(req))
+        return True
+
+    def _usage(self, req: BatchRequest) -> Usage:
+        return Usage(req.num_prompt, req.num_output, req.num_cached)
+
+    def _finish(self, req: BatchRequest, reason: FinishReason) -> None:
+        req.is_finished = True
+        del self._requests[req.request_id]
+        self.scheduler.release(req)
+        req.stream.finish(reason, self._usage(req))
+
+    async def close(self) -> None:
+        self._closed = True
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._publish(self.pool.take_events())
+
+    # ---- the step loop ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.has_work:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: fail every stream loudly instead of hanging them
+            log.exception("%s engine step loop failed", self.name)
+            self._failure = exc
+            for req in list(self._requests.values()):
+                req.stream.fail(exc)
+            self._requests.clear()
+
+    async def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.num_steps += 1
+        if not (plan.scheduled or plan.first_tokens or plan.num_preempted
+                or self.scheduler.running):
+            # Admission validates that any request fits an empty pool, so this is a bug; fail
+            # loudly rather than spin.
+            raise RuntimeError(f"the {self.name} scheduler made no progress with an idle batch")
+        sampled = await self._execute(plan)
+        self._apply(plan, sampled)
+        self._publish(self.pool.take_events())
+
+    def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
+        finished_any = False
+        for req in plan.first_tokens:
+            if req.is_finished:  # aborted while the step ran
+                continue
+            first = req.first_token
+            assert first is not None
+            req.first_token = None
+            finished_any |= self._emit(req, first.token_id, first)
+        for req, (token, logprob) in zip(plan.ready, sampled, strict=True):
+            if not req.is_finished:
+                finished_any |= self._emit(req, token, logprob)
+        if finished_any:
+            self.scheduler.compact()
+
+    def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None) -> bool:
+        """Appends one output token; True when it finished the request."""
+        req.token_ids.append(token)
+        req.num_output += 1
+        req.stream.push(token, logprob if req.sampling.top_logprobs is not None else None)
+        if token in req.stop_ids and req.num_output >= req.min_tokens:
+            self._finish(req, FinishReason.STOP)
+            return True
+        if req.num_output >= req.sampling.max_tokens:
+            self._finish(req, FinishReason.LENGTH)
+            return True
+        return False
+
+    # ---- observability ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        pending = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
+        pending += sum(len(r.token_ids) - r.num_computed for r in sched.running
+                       if r.is_prefilling and not r.is_finished)
+        return EngineStats(
+            num_running=sum(1 for r in sched.running if not r.is_finished),
+            num_waiting=len(sched.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.total,
+            pending_prefill_tokens=pending,
+            active_decode_blocks=self.pool.num_used,
+            prefix_cache_hit_rate=self.pool.prefix_hit_rate,
+        )

@@ -1,0 +1,133 @@
+"""Self-attention over the paged KV cache, following the contract in `batch.py`.
+
+Two paths, both on torch's scaled_dot_product_attention:
+  * `prefill_attention`: any mix of chunks; one SDPA per sequence (a Python loop over S, with no
+    host syncs: every length it needs is already a Python int in AttentionMetadata).
+  * `decode_attention`: every sequence has one new token; all sequences in ONE SDPA over a padded
+    gather of their blocks, masked by `context_lens_t`. No loop, no host sync: the GPU decode path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.layers import RMSNorm
+from tandem.engines.reference.rope import apply_rope
+from tandem.engines.reference.spec import ModelSpec
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_size] at flat slots `slot_mapping` [T] of
+    kv_layer [2, num_blocks, block_size, kv_heads, head_size]."""
+    num_blocks, block_size, kv_heads, head_size = kv_layer.shape[1:]
+    flat = kv_layer.view(2, num_blocks * block_size, kv_heads, head_size)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_layer.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of q [T, heads, head_size] (new tokens, grouped by sequence as in
+    `meta.query_start_loc`) over each sequence's cached context. The new tokens of a sequence are
+    the LAST positions of its context. Returns [T, heads, head_size] in q's dtype."""
+    out = torch.empty_like(q)
+    block_size = meta.block_size
+    k_blocks, v_blocks = kv_layer[0], kv_layer[1]
+    for s, context_len in enumerate(meta.context_lens):
+        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+        num_new = end - start
+        num_blocks = -(-context_len // block_size)
+        block_ids = meta.block_tables[s, :num_blocks]
+        # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, context_len, D]
+        k = k_blocks[block_ids].flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
+        v = v_blocks[block_ids].flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        mask = _prefill_mask(num_new, context_len, sliding_window, q.device)
+        # is_causal aligns the diagonal top-left, which is right only when nothing was cached.
+        causal = mask is None and num_new == context_len and num_new > 1
+        o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           is_causal=causal, enable_gqa=True)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _prefill_mask(num_new: int, context_len: int, sliding_window: int | None,
+                  device: torch.device) -> torch.Tensor | None:
+    """[num_new, context_len] bool (True = attend), or None where plain causal/full will do."""
+    first = context_len - num_new  # position of the first new token
+    window_matters = sliding_window is not None and context_len > sliding_window
+    if not window_matters and (num_new == context_len or num_new == 1):
+        return None
+    q_pos = torch.arange(first, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None and window_matters:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence, q [S, heads, head_size], in one batched SDPA.
+
+    Keys are gathered for the full width of `meta.block_tables` (so the engine should pad it to
+    the batch's longest table, not to the model length) and masked to `context_lens_t`. Query
+    heads are folded into the query-length axis ([S, kv_heads, group, D]) so that GQA needs no
+    repeat of K/V and no `enable_gqa`, which leaves every SDPA backend eligible on CUDA.
+    """
+    num_seqs, num_heads, head_size = q.shape
+    kv_heads = kv_layer.shape[3]
+    block_tables = meta.block_tables
+    max_len = block_tables.shape[1] * meta.block_size
+    # [S, max_blocks, block_size, kv_heads, D] -> [S, kv_heads, max_len, D]
+    k = kv_layer[0][block_tables].view(num_seqs, max_len, kv_heads, head_size).transpose(1, 2)
+    v = kv_layer[1][block_tables].view(num_seqs, max_len, kv_heads, head_size).transpose(1, 2)
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    context_lens = meta.context_lens_t[:, None]
+    mask = k_pos < context_lens
+    if sliding_window is not None:
+        mask &= k_pos > context_lens - 1 - sliding_window
+    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_size)
+    o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype),
+                                       attn_mask=mask[:, None, None, :])
+    return o.reshape(num_seqs, num_heads, head_size)
+
+
+class Attention(nn.Module):
+    """One layer's attention: fused qkv projection, optional q/k RMSNorm (Qwen3), RoPE, paged
+    attention, o_proj. `qkv_proj.weight` rows are [q | k | v] in HF's head order."""
+
+    def __init__(self, spec: ModelSpec, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_size = spec.head_size
+        self.q_size = spec.q_size
+        self.kv_size = spec.kv_size
+        self.sliding_window = sliding_window
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size,
+                                  bias=spec.attention_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.attention_out_bias)
+        self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_size, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into kv_layer first."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_size)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv_layer, k, v, meta.slot_mapping)
+        if meta.is_decode_only:
+            o = decode_attention(q, kv_layer, meta, self.sliding_window)
+        else:
+            o = prefill_attention(q, kv_layer, meta, self.sliding_window)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))

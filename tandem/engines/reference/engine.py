@@ -1,0 +1,126 @@
+"""The reference engine: a Hugging Face decoder model in PyTorch over a paged KV cache, driven by
+the shared continuous-batching scheduler. CPU and CUDA.
+
+Each step's model inputs are read from request state on the event loop; the forward pass and
+sampling then run in a worker thread (torch releases the GIL), so streams keep flowing and new
+requests keep arriving while the model computes. Blocks freed by an abort during a step are
+reallocated only by the next schedule(), after the step, so the step may still write them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+import torch
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
+from tandem.engines.batching.scheduler import StepPlan
+from tandem.engines.reference.batch import allocate_kv_cache
+from tandem.engines.reference.loader import load_model
+from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.sampler import SampleInput, Sampler
+from tandem.engines.reference.step_inputs import StepInputs, build_step_inputs
+from tandem.engines.types import EngineRequest, KvLayout
+from tandem.errors import InvalidRequest
+from tandem.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ReferenceEngine(BatchingEngine):
+    name = "reference"
+    #: KV handles from prefill workers (NIXL) arrive with disaggregated serving.
+    accepted_backends: frozenset[str] = frozenset()
+
+    def __init__(self, args: EngineArgs, config: ModelConfig, model: DecoderModel,
+                 kv_cache: torch.Tensor, device: torch.device) -> None:
+        num_layers, _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        super().__init__(
+            args, KvLayout(dtype, num_layers, num_kv_heads, head_size, block_size),
+            args.max_seq_len or config.max_position_embeddings, config.vocab_size,
+            frozenset(config.eos_token_ids), num_blocks)
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.sampler = Sampler(device)
+
+    def _request_key(self, request: EngineRequest) -> int:
+        seed = request.sampling.seed
+        return seed if seed is not None else secrets.randbits(63)
+
+    async def _execute(self, plan: StepPlan) -> list[Sampled]:
+        if not plan.scheduled:
+            return []
+        inputs = build_step_inputs(plan, self.pool.block_size, self.device)
+        samples = [SampleInput(req.sampling, req.token_ids[:req.num_prompt],
+                               req.token_ids[req.num_prompt:], req.stop_ids, req.key)
+                   for req in plan.ready]
+        return await asyncio.to_thread(self._forward_and_sample, inputs, samples)
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput]) -> list[Sampled]:
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        if not samples:
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        return [(out.token_id, out.logprob) for out in self.sampler.sample(logits, samples)]
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"device '{name}' requested but CUDA is not available",
+                             param="device")
+    return device
+
+
+def _dtype(name: str, checkpoint: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # Half precision is slow and inexact on CPU; the checkpoint's dtype on GPU.
+        return torch.float32 if device.type == "cpu" else _DTYPES.get(checkpoint, torch.bfloat16)
+    if name not in _DTYPES:
+        raise InvalidRequest(f"dtype must be auto or one of {', '.join(_DTYPES)}, got '{name}'",
+                             param="dtype")
+    return _DTYPES[name]
+
+
+def _num_blocks(args: EngineArgs, bytes_per_block: int, device: torch.device) -> int:
+    if args.num_gpu_blocks:
+        return args.num_gpu_blocks
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * args.free_gpu_memory_fraction)
+    else:
+        budget = args.kv_cache_cpu_bytes
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise InvalidRequest(f"the KV cache budget ({budget} bytes) holds no block of "
+                             f"{bytes_per_block} bytes", param="num_gpu_blocks")
+    return blocks
+
+
+def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
+    validate_args(args)
+    if args.load_format not in ("auto", "dummy"):
+        raise InvalidRequest(f"load_format must be auto or dummy, got '{args.load_format}'",
+                             param="load_format")
+    config = ModelConfig.from_dir(args.model)
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, config.dtype, device)
+    model, spec = load_model(args.model, dtype, device, args.load_format, args.seed)
+    element = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_block = (2 * spec.num_layers * args.kv_block_size * spec.num_kv_heads
+                       * spec.head_size * element)
+    num_blocks = _num_blocks(args, bytes_per_block, device)
+    kv_cache = allocate_kv_cache(spec.num_layers, num_blocks, args.kv_block_size,
+                                 spec.num_kv_heads, spec.head_size, dtype, device)
+    log.info("reference engine ready", extra={
+        "device": str(device), "dtype": str(dtype), "kv_blocks": num_blocks,
+        "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture})
+    return ReferenceEngine(args, config, model, kv_cache, device)

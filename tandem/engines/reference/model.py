@@ -1,0 +1,80 @@
+"""DecoderModel: one module covering the Llama, Mistral, Qwen2 and Qwen3 decoder families.
+
+The families differ only in switches that ModelSpec carries: q/k/v (and o) bias, per-head q/k
+RMSNorm, sliding windows, RoPE scaling, tied embeddings. Parameter names follow transformers
+minus the "model." prefix, except the fused `qkv_proj` and `gate_up_proj` (see loader.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engines.reference.attention import Attention
+from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.layers import GatedMLP, RMSNorm
+from tandem.engines.reference.rope import RotaryEmbedding
+from tandem.engines.reference.spec import ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, sliding_window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, sliding_window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """A decoder-only transformer over a paged KV cache.
+
+    `forward` runs the new tokens of one engine step; `compute_logits` projects only the rows the
+    caller samples from (usually each sequence's last token), which keeps prefill cheap.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.sliding_windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position_embeddings,
+                                          spec.rope_theta, spec.rope_scaling)
+        # Tied models reuse embed_tokens.weight in compute_logits; no second parameter exists.
+        self.lm_head = (None if spec.tie_word_embeddings
+                        else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run T new tokens and return their final-norm hidden states [T, hidden].
+
+        Args:
+            input_ids: [T] int64, the new tokens of all sequences, grouped as in
+                `meta.query_start_loc`.
+            positions: [T] int64, each token's position in its sequence (< max_position_embeddings).
+            meta: where each token's K/V goes and what each sequence attends to.
+            kv_cache: the whole pool, [num_layers, 2, num_blocks, block_size, kv_heads, head_size]
+                (batch.allocate_kv_cache); written in place at `meta.slot_mapping`.
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)  # gathered once, shared by every layer
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, meta, kv_cache[index])
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for hidden states [N, hidden] from `forward`.
+
+        The matmul runs in the model dtype, as in transformers; only the result is upcast, so
+        that sampling (softmax, penalties, logprobs) works in float32.
+        """
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

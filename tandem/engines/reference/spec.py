@@ -1,0 +1,188 @@
+"""ModelSpec: the shape of a decoder-only checkpoint, read once from its config.json.
+
+Everything the reference engine builds (modules, KV pool, RoPE tables) is sized from this object,
+so the engine never reads config.json itself. Both config layouts are understood: transformers
+4.x (`rope_theta` and `rope_scaling` at top level, `torch_dtype`) and 5.x (`rope_parameters`
+holding the theta, `dtype`).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engines.reference import rope
+from tandem.errors import InvalidRequest
+
+#: Architectures (config.json "architectures"[0]) this engine runs, mapped to their family.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and numerics of one checkpoint. Immutable; build it with `from_dir`/`from_config`."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    #: Per-head dimension; Qwen3 sets it apart from hidden_size // num_heads.
+    head_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    #: None for plain RoPE, else a dict with "rope_type" (only "llama3" is supported) and its keys.
+    rope_scaling: Mapping[str, Any] | None
+    max_position_embeddings: int
+    #: Bias on q/k/v projections (always on for Qwen2).
+    attention_bias: bool
+    #: Bias on o_proj (Llama/Qwen3 `attention_bias`; never for Qwen2).
+    attention_out_bias: bool
+    mlp_bias: bool
+    #: Per-head RMSNorm on q and k before RoPE (Qwen3).
+    qk_norm: bool
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    #: Per layer: None for full attention, else the window W (a query at p sees keys > p - W).
+    sliding_windows: tuple[int | None, ...]
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> ModelSpec:
+        """Read `path/config.json`. Raises InvalidRequest (param="model") if the file is missing
+        or unreadable or the model is outside what this engine supports."""
+        config_path = pathlib.Path(path) / "config.json"
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"cannot read {config_path}: {exc}", param="model") from exc
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelSpec:
+        """Build from a parsed config.json. Raises InvalidRequest as `from_dir` does."""
+        architectures = config.get("architectures") or []
+        architecture = architectures[0] if architectures else "<none>"
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise InvalidRequest(
+                f"unsupported model architecture {architecture!r}; the reference engine supports "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}", param="model")
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise InvalidRequest(f"unsupported hidden_act {act!r}; only 'silu' is supported",
+                                 param="model")
+
+        hidden_size = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        num_layers = int(config["num_hidden_layers"])
+        rope_theta, rope_scaling = _rope_params(config)
+        max_pos = int(config.get("max_position_embeddings", 2048))
+        rope.check_scaling(rope_scaling)
+
+        # Qwen2 hard-codes q/k/v bias and no o_proj bias; Llama and Qwen3 put both behind one flag.
+        attention_bias = family == "qwen2" or bool(config.get("attention_bias", False))
+        attention_out_bias = family != "qwen2" and bool(config.get("attention_bias", False))
+
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_size=int(config.get("head_dim") or hidden_size // num_heads),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            attention_bias=attention_bias,
+            attention_out_bias=attention_out_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dtype=_dtype(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos_ids(config.get("eos_token_id")),
+            sliding_windows=_sliding_windows(config, family, num_layers),
+        )
+
+
+def _rope_params(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from either config layout; "type" is the 4.x spelling."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings",
+                          config.get("max_position_embeddings", 2048))
+    return theta, params
+
+
+def _dtype(config: Mapping[str, Any]) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise InvalidRequest(f"unsupported dtype {name!r} in config.json; supported: "
+                             f"{', '.join(sorted(_DTYPES))}", param="model")
+    return _DTYPES[name]
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _sliding_windows(config: Mapping[str, Any], family: str,
+                     num_layers: int) -> tuple[int | None, ...]:
+    """Mirror transformers: Mistral slides on every layer when `sliding_window` is set; Qwen2/3
+    only with `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks."""
+    window = config.get("sliding_window")
+    if family == "mistral":
+        return (int(window) if window else None,) * num_layers
+    if family in ("qwen2", "qwen3") and config.get("use_sliding_window") and window:
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            first = int(config.get("max_window_layers", num_layers))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(num_layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * num_layers

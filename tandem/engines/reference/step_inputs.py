@@ -1,0 +1,60 @@
+"""Turns a scheduled step into model inputs: flattened token ids and positions, the attention
+metadata over the paged KV cache, and which rows of the output to sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engines.batching.scheduler import StepPlan
+from tandem.engines.reference.batch import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    #: Row of the flattened batch whose logits each ready request samples from (plan.ready order).
+    sample_rows: torch.Tensor
+
+
+def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
+    """Reads the requests' state now (on the event loop), so the forward pass can run in a
+    worker thread without touching scheduler state."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    last_row: dict[int, int] = {}
+    for req, n in plan.scheduled:
+        end = req.num_computed
+        start = end - n
+        blocks = req.table.block_ids
+        token_ids.extend(req.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size
+                     for p in range(start, end))
+        query_start.append(len(token_ids))
+        context_lens.append(end)
+        tables.append(list(blocks[:(end + block_size - 1) // block_size]))
+        last_row[id(req)] = len(token_ids) - 1
+    width = max((len(t) for t in tables), default=1)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots),
+        query_start_loc=query_start,
+        context_lens=context_lens,
+        context_lens_t=tensor(context_lens),
+        block_tables=tensor(padded),
+        block_size=block_size,
+        is_decode_only=all(n == 1 for _, n in plan.scheduled),
+    )
+    rows = [last_row[id(req)] for req in plan.ready]
+    return StepInputs(tensor(token_ids), tensor(positions), meta, tensor(rows))

@@ -1,0 +1,186 @@
+"""The reference engine against Hugging Face transformers: greedy tokens equal `generate` token
+for token for every supported family, also with chunked prefill, prefix-cache hits and
+preemption; seeded sampling does not depend on the batch; every block goes back to the pool."""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+
+import pytest
+import torch
+import transformers
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.reference.engine import ReferenceEngine, create_reference_engine
+from tandem.engines.types import EngineRequest, FinishReason, SamplingParams
+from tandem.model.tiny import write_tiny_model
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: write_tiny_model(root / f, f, seed=3) for f in FAMILIES}
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 0, prefix: list[int] = ()) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+_HF_CACHE: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def hf_greedy(model_dir: pathlib.Path, prompt: list[int]) -> list[int]:
+    key = (str(model_dir), tuple(prompt))
+    if key not in _HF_CACHE:
+        model = _hf_model(str(model_dir))
+        out = model.generate(torch.tensor([prompt]), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        _HF_CACHE[key] = out[0, len(prompt):].tolist()
+    return _HF_CACHE[key]
+
+
+_MODELS: dict[str, transformers.PreTrainedModel] = {}
+
+
+def _hf_model(path: str) -> transformers.PreTrainedModel:
+    if path not in _MODELS:
+        _MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, torch_dtype=torch.float32).eval()
+    return _MODELS[path]
+
+
+def engine_for(model_dir: pathlib.Path, **overrides: object) -> ReferenceEngine:
+    args = EngineArgs(model=str(model_dir), device="cpu", kv_block_size=8,
+                      num_gpu_blocks=overrides.pop("num_gpu_blocks", 256), **overrides)
+    return create_reference_engine(args)
+
+
+async def run(engine: ReferenceEngine, batch: list[list[int]],
+              sampling: SamplingParams | None = None) -> list[tuple[list[int], object]]:
+    """Submits every prompt at once; returns (tokens, usage) per prompt."""
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, min_tokens=NEW_TOKENS)
+    streams = [engine.add_request(EngineRequest(f"r{i}-{random.random()}", tuple(p),
+                                                sampling or greedy))
+               for i, p in enumerate(batch)]
+
+    async def collect(stream) -> tuple[list[int], object]:
+        tokens: list[int] = []
+        usage = None
+        async for chunk in stream:
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                assert chunk.finish_reason == FinishReason.LENGTH
+                usage = chunk.usage
+        return tokens, usage
+
+    return await asyncio.gather(*(collect(s) for s in streams))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_greedy_matches_transformers_on_a_mixed_batch(
+        family: str, model_dirs: dict[str, pathlib.Path]) -> None:
+    engine = engine_for(model_dirs[family])
+    await engine.start()
+    try:
+        batch = prompts(engine.vocab_size, [3, 17, 40, 9])
+        results = await run(engine, batch)
+        for prompt, (tokens, usage) in zip(batch, results):
+            assert tokens == hf_greedy(model_dirs[family], prompt)
+            assert usage.completion_tokens == NEW_TOKENS
+        assert engine.pool.num_used == 0  # every block's ref count is back to zero
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_chunked_prefill_gives_the_same_tokens(
+        family: str, model_dirs: dict[str, pathlib.Path]) -> None:
+    engine = engine_for(model_dirs[family], max_num_tokens=12)  # every prompt is chunked
+    await engine.start()
+    try:
+        batch = prompts(engine.vocab_size, [30, 45, 7], seed=1)
+        results = await run(engine, batch)
+        for prompt, (tokens, _) in zip(batch, results):
+            assert tokens == hf_greedy(model_dirs[family], prompt)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+async def test_prefix_cache_hits_give_the_same_tokens(
+        family: str, model_dirs: dict[str, pathlib.Path]) -> None:
+    engine = engine_for(model_dirs[family])
+    await engine.start()
+    try:
+        shared = prompts(engine.vocab_size, [40], seed=2)[0]
+        first = prompts(engine.vocab_size, [5], seed=3, prefix=shared)
+        (tokens, usage), = await run(engine, first)
+        assert usage.cached_tokens == 0
+        assert tokens == hf_greedy(model_dirs[family], first[0])
+        later = prompts(engine.vocab_size, [6, 11], seed=4, prefix=shared)
+        results = await run(engine, later)
+        for prompt, (tokens, usage) in zip(later, results):
+            assert usage.cached_tokens == 40  # five full blocks of 8 shared
+            assert tokens == hf_greedy(model_dirs[family], prompt)
+        assert engine.pool.num_used == 0
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama3"])
+async def test_preemption_by_recompute_gives_the_same_tokens(
+        family: str, model_dirs: dict[str, pathlib.Path]) -> None:
+    # Three prompts of 4 blocks each fill the 12-block pool at admission; each needs a fifth
+    # block two tokens later, so the newest must be preempted and recomputed.
+    engine = engine_for(model_dirs[family], num_gpu_blocks=12)
+    await engine.start()
+    try:
+        batch = prompts(engine.vocab_size, [30, 31, 29], seed=5)
+        results = await run(engine, batch)
+        assert engine.scheduler.num_preemptions > 0
+        for prompt, (tokens, _) in zip(batch, results):
+            assert tokens == hf_greedy(model_dirs[family], prompt)
+        assert engine.pool.num_used == 0
+    finally:
+        await engine.close()
+
+
+async def test_seeded_sampling_does_not_depend_on_the_batch(
+        model_dirs: dict[str, pathlib.Path]) -> None:
+    engine = engine_for(model_dirs["llama"])
+    await engine.start()
+    try:
+        sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+        prompt = prompts(engine.vocab_size, [15], seed=6)
+        (alone, _), = await run(engine, prompt, sampled)
+        (again, _), = await run(engine, prompt, sampled)
+        crowd = prompts(engine.vocab_size, [4, 22, 9], seed=8)
+        results = await run(engine, crowd + prompt, sampled)
+        assert alone == again == results[-1][0]
+        other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)
+        (different, _), = await run(engine, prompt, other_seed)
+        assert different != alone
+    finally:
+        await engine.close()
+
+
+async def test_abort_frees_blocks_at_once(model_dirs: dict[str, pathlib.Path]) -> None:
+    engine = engine_for(model_dirs["llama"])
+    await engine.start()
+    try:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = engine.add_request(EngineRequest("long", tuple(range(10, 50)), long))
+        first = await anext(stream)
+        assert first.token_ids and engine.pool.num_used > 0
+        assert engine.abort("long")
+        assert engine.pool.num_used == 0
+        rest = [chunk async for chunk in stream]
+        assert rest[-1].finish_reason == FinishReason.CANCELLED
+    finally:
+        await engine.close()

@@ -1,0 +1,215 @@
+"""DecoderModel over the paged KV cache equals transformers, logit for logit, for every family."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.engines.reference.batch import AttentionMetadata, allocate_kv_cache
+from tandem.engines.reference.loader import load_model
+from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.spec import ModelSpec
+from tandem.errors import InvalidRequest
+from tandem.model.tiny import FAMILIES, write_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 24
+# fp32 on CPU: fused qkv/gate_up matmuls and a different SDPA blocking round differently from
+# transformers; observed differences are ~1e-6, logits are O(10).
+ATOL = 1e-4
+
+
+@dataclass
+class Family:
+    path: pathlib.Path
+    hf: Any  # a transformers PreTrainedModel
+    model: DecoderModel
+    spec: ModelSpec
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
+    result = {}
+    for name in FAMILIES:
+        path = write_tiny_model(tmp_path_factory.mktemp(name), name, seed=1)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model, spec = load_model(path, torch.float32, torch.device("cpu"))
+        result[name] = Family(path, hf.eval(), model, spec)
+    return result
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 4000, (length,), generator=generator).tolist()
+
+
+def hf_logits(family: Family, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return family.hf(torch.tensor([tokens])).logits[0].float()
+
+
+def make_step(seqs: list[tuple[list[int], list[int], int]],
+              decode: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One engine step. Each seq is (all tokens so far, block ids, num already cached); every
+    token after the cached ones is new this step. Returns (input_ids, positions, meta)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens = []
+    for tokens, blocks, cached in seqs:
+        for pos in range(cached, len(tokens)):
+            input_ids.append(tokens[pos])
+            positions.append(pos)
+            slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        starts.append(len(input_ids))
+        context_lens.append(len(tokens))
+    width = max(len(blocks) for _, blocks, _ in seqs)
+    tables = [blocks + [0] * (width - len(blocks)) for _, blocks, _ in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=starts, context_lens=context_lens,
+        context_lens_t=torch.tensor(context_lens), block_tables=torch.tensor(tables),
+        block_size=BLOCK_SIZE, is_decode_only=decode)
+    return torch.tensor(input_ids), torch.tensor(positions), meta
+
+
+def run_step(family: Family, kv_cache: torch.Tensor,
+             seqs: list[tuple[list[int], list[int], int]], decode: bool = False) -> torch.Tensor:
+    input_ids, positions, meta = make_step(seqs, decode)
+    with torch.no_grad():
+        return family.model.compute_logits(family.model(input_ids, positions, meta, kv_cache))
+
+
+def new_cache(spec: ModelSpec) -> torch.Tensor:
+    return allocate_kv_cache(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads,
+                             spec.head_size, spec.dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_whole_prompt_matches_transformers(families: dict[str, Family], name: str) -> None:
+    family = families[name]
+    tokens = prompt(37, seed=0)
+    logits = run_step(family, new_cache(family.spec), [(tokens, [5, 2, 7, 1, 3], 0)])
+    torch.testing.assert_close(logits, hf_logits(family, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_chunked_prefill_through_paged_cache(families: dict[str, Family], name: str) -> None:
+    family = families[name]
+    tokens = prompt(37, seed=1)
+    blocks = [5, 2, 7, 11, 9]  # non-contiguous and out of order
+    cache = new_cache(family.spec)
+    chunks = [run_step(family, cache, [(tokens[:end], blocks, start)])
+              for start, end in [(0, 10), (10, 25), (25, 37)]]
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(family, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_two_sequences_in_one_batch(families: dict[str, Family], name: str) -> None:
+    family = families[name]
+    long, short = prompt(37, seed=2), prompt(19, seed=3)
+    logits = run_step(family, new_cache(family.spec),
+                      [(long, [4, 0, 8, 6, 10], 0), (short, [3, 1, 12], 0)])
+    torch.testing.assert_close(logits[:37], hf_logits(family, long), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[37:], hf_logits(family, short), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_batched_decode_matches_last_position(families: dict[str, Family], name: str) -> None:
+    family = families[name]
+    cache = new_cache(family.spec)
+    # Block 0 holds real data, so the zero padding of the shorter tables points at live K/V
+    # that only the key-padding mask keeps out.
+    seqs = [(prompt(37, seed=4), [9, 2, 14, 6, 1]), (prompt(12, seed=5), [0, 7]),
+            (prompt(25, seed=6), [3, 11, 5, 13])]
+    run_step(family, cache, [(tokens[:-1], blocks, 0) for tokens, blocks in seqs])
+    logits = run_step(family, cache, [(tokens, blocks, len(tokens) - 1)
+                                      for tokens, blocks in seqs], decode=True)
+    expected = torch.stack([hf_logits(family, tokens)[-1] for tokens, _ in seqs])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_decode_path_equals_per_sequence_path(families: dict[str, Family]) -> None:
+    """The batched decode kernel and the per-sequence loop are two implementations of one
+    contract; on the same step they must agree (here in bfloat16, where rounding would show)."""
+    family = families["qwen3"]
+    model, spec = load_model(family.path, torch.bfloat16, torch.device("cpu"))
+    bf16 = Family(family.path, family.hf, model, spec)
+    seqs = [(prompt(30, seed=7), [4, 9, 2, 6]), (prompt(9, seed=8), [1, 3])]
+    results = []
+    for decode in (False, True):
+        cache = new_cache(spec)
+        run_step(bf16, cache, [(tokens[:-1], blocks, 0) for tokens, blocks in seqs])
+        results.append(run_step(bf16, cache, [(tokens, blocks, len(tokens) - 1)
+                                              for tokens, blocks in seqs], decode=decode))
+    assert results[0].dtype == torch.float32
+    torch.testing.assert_close(results[0], results[1], atol=0.05, rtol=0)
+    assert torch.equal(results[0].argmax(-1), results[1].argmax(-1))
+
+
+def test_sharded_checkpoint_loads_the_same_weights(families: dict[str, Family],
+                                                    tmp_path: pathlib.Path) -> None:
+    family = families["llama3"]
+    family.hf.save_pretrained(tmp_path, max_shard_size="300KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model, _ = load_model(tmp_path, None, torch.device("cpu"))
+    expected = family.model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_unsupported_architecture_is_named(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(InvalidRequest) as info:
+        ModelSpec.from_dir(tmp_path)
+    assert "GPT2LMHeadModel" in info.value.message
+    assert "Qwen3ForCausalLM" in info.value.message and info.value.param == "model"
+
+
+def test_unsupported_rope_type_is_named(families: dict[str, Family],
+                                        tmp_path: pathlib.Path) -> None:
+    config = json.loads((families["llama"].path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidRequest, match="yarn"):
+        ModelSpec.from_dir(tmp_path)
+
+
+def test_missing_and_unexpected_tensors_are_named(families: dict[str, Family],
+                                                  tmp_path: pathlib.Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = families["qwen2"].path
+    shutil.copyfile(source / "config.json", tmp_path / "config.json")
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(InvalidRequest) as info:
+        load_model(tmp_path, None, torch.device("cpu"))
+    assert "model.layers.1.self_attn.k_proj.bias" in info.value.message
+    assert "model.layers.0.mlp.extra.weight" in info.value.message
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_dummy_weights_need_only_config(families: dict[str, Family], name: str,
+                                        tmp_path: pathlib.Path) -> None:
+    shutil.copyfile(families[name].path / "config.json", tmp_path / "config.json")
+    model, spec = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), load_format="dummy")
+    again, _ = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), load_format="dummy")
+    real = families[name].model.state_dict()
+    dummy = model.state_dict()
+    assert {k: v.shape for k, v in dummy.items()} == {k: v.shape for k, v in real.items()}
+    assert all(t.dtype == torch.bfloat16 for t in dummy.values()) and spec.dtype == torch.bfloat16
+    assert all(torch.equal(dummy[k], t) for k, t in again.state_dict().items())  # seeded
+    cache = new_cache(spec)
+    logits = run_step(Family(tmp_path, families[name].hf, model, spec), cache,
+                      [(prompt(10, seed=9), [3, 4], 0)])
+    assert logits.shape == (10, spec.vocab_size) and torch.isfinite(logits).all()
