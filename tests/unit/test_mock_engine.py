@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tandem.engines.args import EngineArgs
+from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.mock import timing
 from tandem.engines.mock.engine import MockEngine, create_mock_engine
 from tandem.engines.mock.sampler import stream_key
-from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.registry import create_engine
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (

@@ -18,7 +18,6 @@ from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import InvalidRequest
 from tandem.model.config import ModelConfig
 
-
 #: Pool size when --num-gpu-blocks-override is not given (the mock has no memory to measure).
 DEFAULT_NUM_BLOCKS = 16384
 
