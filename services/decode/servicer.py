@@ -48,6 +48,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 message = pb.GenerateChunk(token_ids=chunk.token_ids)
                 if chunk.cached_tokens is not None:
                     message.cached_tokens = chunk.cached_tokens
+                if chunk.prompt_logprobs:
+                    message.prompt_logprobs.extend(
+                        convert.logprob_to_pb(lp) for lp in chunk.prompt_logprobs)
                 if chunk.logprobs:
                     message.logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.logprobs)
                 if chunk.finish_reason is not None:

@@ -15,7 +15,7 @@ class RequestStream:
     """
 
     __slots__ = ("request_id", "_token_ids", "_logprobs", "_finish", "_usage", "_error",
-                 "_ready", "_drained", "_cached_tokens")
+                 "_ready", "_drained", "_cached_tokens", "_prompt_logprobs")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -27,11 +27,16 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._drained = False
         self._cached_tokens: int | None = None
+        self._prompt_logprobs: list[TokenLogprob] | None = None
 
     def set_cached_tokens(self, num_tokens: int) -> None:
         """Prefix-cache hits of the prompt, reported once on the next chunk (engines call this
         when the request is first scheduled)."""
         self._cached_tokens = num_tokens
+
+    def set_prompt_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        """The prompt's logprobs, reported once on the next chunk."""
+        self._prompt_logprobs = logprobs
 
     @property
     def is_finished(self) -> bool:
@@ -69,8 +74,9 @@ class RequestStream:
             self._drained = True
             raise self._error
         chunk = TokenChunk(self._token_ids, self._logprobs, self._finish, self._usage,
-                           self._cached_tokens)
-        self._token_ids, self._logprobs, self._cached_tokens = [], [], None
+                           self._cached_tokens, self._prompt_logprobs)
+        self._token_ids, self._logprobs = [], []
+        self._cached_tokens = self._prompt_logprobs = None
         self._ready.clear()
         if self._finish is not None:
             self._drained = True

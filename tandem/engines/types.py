@@ -24,6 +24,9 @@ class SamplingParams:
     ignore_eos: bool = False
     #: None: no logprobs; k >= 0: sampled token's logprob plus k alternatives.
     top_logprobs: int | None = None
+    #: None: none; k >= 0: the logprob of every prompt token after the first, plus k
+    #: alternatives each (such a request bypasses the prefix cache: cached tokens have no logits).
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -156,6 +159,9 @@ class TokenChunk:
     usage: Usage | None = None
     #: Prompt tokens served from the prefix cache; on the first chunk after the engine knows it.
     cached_tokens: int | None = None
+    #: With SamplingParams.prompt_logprobs: one entry per prompt token after the first, on the
+    #: first chunk.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

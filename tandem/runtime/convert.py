@@ -39,6 +39,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> t.Sampl
         min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos,
         top_logprobs=msg.top_logprobs if has("top_logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
     )
 
 
@@ -54,6 +55,8 @@ def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.top_logprobs is not None:
         msg.top_logprobs = params.top_logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 

@@ -184,3 +184,47 @@ async def test_abort_frees_blocks_at_once(model_dirs: dict[str, pathlib.Path]) -
         assert rest[-1].finish_reason == FinishReason.CANCELLED
     finally:
         await engine.close()
+
+
+LOGPROB_ATOL = 1e-4  # float32 on CPU; the model's logits match transformers to ~1e-6
+
+
+async def test_logprobs_agree_with_transformers(model_dirs: dict[str, pathlib.Path]) -> None:
+    model_dir = model_dirs["qwen3"]
+    # A small token budget chunks the prompt, so prompt logprobs cross chunk boundaries.
+    engine = engine_for(model_dir, max_num_tokens=7)
+    await engine.start()
+    try:
+        prompt = prompts(engine.vocab_size, [19], seed=9)[0]
+        params = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6, top_logprobs=3,
+                                prompt_logprobs=2)
+        stream = engine.add_request(EngineRequest("lp", tuple(prompt), params))
+        chunks = [chunk async for chunk in stream]
+    finally:
+        await engine.close()
+    tokens = [t for c in chunks for t in c.token_ids]
+    token_lps = [lp for c in chunks for lp in c.logprobs]
+    prompt_lps = chunks[0].prompt_logprobs
+    assert tokens == hf_greedy(model_dir, prompt)[:6]
+
+    hf = _hf_model(str(model_dir))
+    with torch.no_grad():
+        full = torch.tensor([prompt + tokens[:-1]])
+        ref = torch.log_softmax(hf(full).logits[0].float(), dim=-1)
+    # Prompt logprobs: position p predicts prompt[p + 1].
+    assert len(prompt_lps) == len(prompt) - 1
+    for p, lp in enumerate(prompt_lps):
+        assert lp.token_id == prompt[p + 1]
+        assert abs(lp.logprob - ref[p, prompt[p + 1]].item()) < LOGPROB_ATOL
+        best = torch.topk(ref[p], 2)
+        assert [a.token_id for a in lp.top] == best.indices.tolist()
+    # Output logprobs: token i is predicted at position len(prompt) - 1 + i.
+    assert len(token_lps) == 6
+    for i, lp in enumerate(token_lps):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == tokens[i]
+        assert abs(lp.logprob - row[tokens[i]].item()) < LOGPROB_ATOL
+        best = torch.topk(row, 3)
+        assert [a.token_id for a in lp.top] == best.indices.tolist()
+        for alt, value in zip(lp.top, best.values.tolist()):
+            assert abs(alt.logprob - value) < LOGPROB_ATOL

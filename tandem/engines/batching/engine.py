@@ -142,10 +142,11 @@ class BatchingEngine(Engine):
             raise InvalidRequest(
                 f"the prompt plus max_tokens needs {needed} KV blocks but this worker has only "
                 f"{self.pool.total}", param="max_tokens")
-        if sampling.top_logprobs is not None and not 0 <= sampling.top_logprobs <= \
-                MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
-                                 f"{sampling.top_logprobs}", param="top_logprobs")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(sampling, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
+                                     param=name)
         handle = request.kv_handle
         if handle is None:
             return

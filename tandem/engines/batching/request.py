@@ -18,7 +18,8 @@ class BatchRequest:
 
     __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
-                 "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens")
+                 "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
+                 "prompt_logprobs")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int) -> None:
@@ -50,6 +51,8 @@ class BatchRequest:
             stop |= eos_ids
         self.stop_ids = frozenset(stop)
         self.min_tokens = request.sampling.min_tokens
+        #: Prompt logprobs computed so far, by position - 1 (engines that compute them).
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def is_prefilling(self) -> bool:

@@ -157,7 +157,8 @@ class Scheduler:
         pool, bs = self.pool, self.block_size
         total = len(req.token_ids)
         match = PrefixMatch((), total)
-        if pool.enable_prefix_caching:
+        # Prompt logprobs need every prompt position's logits: no prefix hits for such requests.
+        if pool.enable_prefix_caching and req.sampling.prompt_logprobs is None:
             # At least one token must be computed to produce logits, so never match it all.
             max_blocks = (total - 1) // bs
             match = pool.match_prefix(req.block_hashes(max_blocks, bs), total, max_blocks)

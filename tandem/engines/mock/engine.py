@@ -39,6 +39,12 @@ class MockEngine(BatchingEngine):
         self.model = model
         self.sampler = TokenSampler(model.vocab_size, eos_ids | special_ids)
 
+    def _validate(self, request: EngineRequest) -> None:
+        super()._validate(request)
+        if request.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("the mock engine has no model, so no prompt logprobs",
+                                 param="prompt_logprobs")
+
     def _request_key(self, request: EngineRequest) -> int:
         return stream_key(request.prompt_token_ids, request.sampling.seed)
 

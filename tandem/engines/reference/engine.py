@@ -20,9 +20,9 @@ from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
-from tandem.engines.reference.sampler import SampleInput, Sampler
+from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, build_step_inputs
-from tandem.engines.types import EngineRequest, KvLayout
+from tandem.engines.types import EngineRequest, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
 from tandem.model.config import ModelConfig
 
@@ -59,15 +59,32 @@ class ReferenceEngine(BatchingEngine):
         samples = [SampleInput(req.sampling, req.token_ids[:req.num_prompt],
                                req.token_ids[req.num_prompt:], req.stop_ids, req.key)
                    for req in plan.ready]
-        return await asyncio.to_thread(self._forward_and_sample, inputs, samples)
+        prompt_ids = [req.token_ids[start:start + count + 1]
+                      for req, _, start, count, _ in inputs.prompt_spans]
+        sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
+                                                      prompt_ids)
+        for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
+                                                       strict=True):
+            # Stored by position, so a recompute after preemption overwrites, never appends.
+            req.prompt_logprobs[start:start + count] = computed
+            if start + count == req.num_prompt - 1:
+                req.stream.set_prompt_logprobs(list(req.prompt_logprobs))
+        return sampled
 
     @torch.inference_mode()
-    def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput]) -> list[Sampled]:
+    def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
+                            prompt_ids: list[list[int]],
+                            ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
+        """Runs in a worker thread: touches tensors only, never request state."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        prompt_lps = [prompt_logprobs(self.model.compute_logits(hidden[row:row + count]), ids, k)
+                      for (_, row, _, count, k), ids in zip(inputs.prompt_spans, prompt_ids,
+                                                            strict=True)]
         if not samples:
-            return []
+            return [], prompt_lps
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-        return [(out.token_id, out.logprob) for out in self.sampler.sample(logits, samples)]
+        sampled = [(out.token_id, out.logprob) for out in self.sampler.sample(logits, samples)]
+        return sampled, prompt_lps
 
 
 def _device(name: str) -> torch.device:

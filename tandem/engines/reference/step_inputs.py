@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import AttentionMetadata
 
@@ -17,6 +18,8 @@ class StepInputs:
     meta: AttentionMetadata
     #: Row of the flattened batch whose logits each ready request samples from (plan.ready order).
     sample_rows: torch.Tensor
+    #: Requests wanting prompt logprobs: (request, first row, first position, row count, k).
+    prompt_spans: list[tuple[BatchRequest, int, int, int, int]]
 
 
 def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
@@ -29,9 +32,15 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
     context_lens: list[int] = []
     tables: list[list[int]] = []
     last_row: dict[int, int] = {}
+    prompt_spans: list[tuple[BatchRequest, int, int, int, int]] = []
     for req, n in plan.scheduled:
         end = req.num_computed
         start = end - n
+        k = req.sampling.prompt_logprobs
+        if k is not None and start < req.num_prompt - 1:
+            # Rows at positions start..stop-1 predict prompt tokens start+1..stop.
+            stop = min(end, req.num_prompt - 1)
+            prompt_spans.append((req, len(token_ids), start, stop - start, k))
         blocks = req.table.block_ids
         token_ids.extend(req.token_ids[start:end])
         positions.extend(range(start, end))
@@ -57,4 +66,4 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         is_decode_only=all(n == 1 for _, n in plan.scheduled),
     )
     rows = [last_row[id(req)] for req in plan.ready]
-    return StepInputs(tensor(token_ids), tensor(positions), meta, tensor(rows))
+    return StepInputs(tensor(token_ids), tensor(positions), meta, tensor(rows), prompt_spans)
