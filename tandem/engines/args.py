@@ -33,6 +33,8 @@ class EngineArgs:
     dtype: str = "auto"
     #: Reference engine: "auto" reads the weights; "dummy" makes random ones of the same shape.
     load_format: str = "auto"
+    #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
+    enforce_eager: bool = False
     #: Mock engine: divide simulated step times by this; 0 or >= 1e6 means no delay.
     speedup_ratio: float = 1.0
     #: Reuse cached KV blocks across requests with the same prefix.

@@ -18,6 +18,7 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import allocate_kv_cache
+from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
@@ -39,14 +40,18 @@ class ReferenceEngine(BatchingEngine):
                  kv_cache: torch.Tensor, device: torch.device) -> None:
         num_layers, _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
+        max_model_len = args.max_seq_len or config.max_position_embeddings
+        # The KV tensor's last block is scratch space for CUDA-graph padding, not pooled.
         super().__init__(
             args, KvLayout(dtype, num_layers, num_kv_heads, head_size, block_size),
-            args.max_seq_len or config.max_position_embeddings, config.vocab_size,
-            frozenset(config.eos_token_ids), num_blocks)
+            max_model_len, config.vocab_size, frozenset(config.eos_token_ids), num_blocks - 1)
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device)
+        self.graphs = (None if device.type != "cuda" or args.enforce_eager else
+                       DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
+                                    -(-max_model_len // block_size)))
 
     def _request_key(self, request: EngineRequest) -> int:
         seed = request.sampling.seed
@@ -76,6 +81,17 @@ class ReferenceEngine(BatchingEngine):
                             prompt_ids: list[list[int]],
                             ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
         """Runs in a worker thread: touches tensors only, never request state."""
+        shape = None
+        if self.graphs is not None and inputs.meta.is_decode_only and not inputs.prompt_spans:
+            shape = self.graphs.buckets(*inputs.meta.block_tables.shape)
+        if shape is not None and self.graphs is not None:
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, shape)
+            if not samples:
+                return [], []
+            # One new token per sequence, but a one-token prompt chunk may not sample yet.
+            logits = logits.index_select(0, inputs.sample_rows)
+            sampled = [(o.token_id, o.logprob) for o in self.sampler.sample(logits, samples)]
+            return sampled, []
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         prompt_lps = [prompt_logprobs(self.model.compute_logits(hidden[row:row + count]), ids, k)
                       for (_, row, _, count, k), ids in zip(inputs.prompt_spans, prompt_ids,
@@ -135,7 +151,8 @@ def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
     bytes_per_block = (2 * spec.num_layers * args.kv_block_size * spec.num_kv_heads
                        * spec.head_size * element)
     num_blocks = _num_blocks(args, bytes_per_block, device)
-    kv_cache = allocate_kv_cache(spec.num_layers, num_blocks, args.kv_block_size,
+    # One block more than the pool: scratch space for CUDA-graph padding rows.
+    kv_cache = allocate_kv_cache(spec.num_layers, num_blocks + 1, args.kv_block_size,
                                  spec.num_kv_heads, spec.head_size, dtype, device)
     log.info("reference engine ready", extra={
         "device": str(device), "dtype": str(dtype), "kv_blocks": num_blocks,

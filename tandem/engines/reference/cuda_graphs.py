@@ -1,0 +1,104 @@
+"""CUDA graphs of pure decode steps, which on a GPU are bound by kernel launches, not math.
+
+One graph per (batch bucket, block-table width bucket), captured on first use and replayed from
+static input buffers. Batches are padded up to their bucket with rows that write their K/V into
+a scratch block outside the pool (the KV tensor's last block) and attend only to it, so padding
+never touches a real block. Widths are bucketed too because decode attention gathers the whole
+table width: a graph for the model's maximum width would read far more than the batch needs.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.model import DecoderModel
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class DecodeGraphs:
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, max_batch: int,
+                 max_width: int) -> None:
+        device = kv_cache.device
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        #: The KV tensor's last block: written and read only by padding rows.
+        self.scratch_block = kv_cache.shape[2] - 1
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        widths, w = [], 4
+        while w < max_width:
+            widths.append(w)
+            w *= 2
+        self.width_buckets = (*widths, max_width)
+        max_batch, max_width = self.batch_buckets[-1], self.width_buckets[-1]
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_batch, max_width, dtype=torch.long, device=device)
+        self._pad_rows(0, max_batch, max_width)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _pad_rows(self, start: int, stop: int, width: int) -> None:
+        self.input_ids[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.slot_mapping[start:stop] = self.scratch_block * self.block_size
+        self.context_lens[start:stop] = 1
+        self.block_tables[start:stop, :width] = self.scratch_block
+
+    def buckets(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        """The graph shape serving this step, or None when it is beyond every bucket."""
+        b = _bucket(num_seqs, self.batch_buckets)
+        w = _bucket(width, self.width_buckets)
+        return None if b is None or w is None else (b, w)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            shape: tuple[int, int]) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode step, through the graph of `shape`. The returned
+        tensor is the graph's output buffer: read it before the next step."""
+        b, w = shape
+        n, width = meta.block_tables.shape
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.context_lens[:n].copy_(meta.context_lens_t)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if width < w:
+            self.block_tables[:n, width:w] = self.scratch_block  # masked; finite values
+        if n < b:
+            self._pad_rows(n, b, w)
+        entry = self.graphs.get(shape)
+        if entry is None:
+            entry = self.graphs[shape] = self._capture(b, w)
+        graph, logits = entry
+        graph.replay()
+        return logits[:n]
+
+    def _forward(self, b: int, w: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=list(range(b + 1)),
+            context_lens=[1] * b, context_lens_t=self.context_lens[:b],
+            block_tables=self.block_tables[:b, :w], block_size=self.block_size,
+            is_decode_only=True)
+        hidden = self.model(self.input_ids[:b], self.positions[:b], meta, self.kv_cache)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream (as torch requires before capture), then capture. Both runs
+        # use the current static inputs, whose padding rows only touch the scratch block.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b, w)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(b, w)
+        return graph, logits
