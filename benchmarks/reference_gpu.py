@@ -105,13 +105,14 @@ def itl_ms(times: list[float]) -> float:
     return 1000 * statistics.median(gaps) if gaps else float("nan")
 
 
-async def decode_figures(device: str, root: pathlib.Path, shape: dict,
-                         steps: int, batch: int) -> tuple[list[str], float]:
+async def decode_figures(device: str, root: pathlib.Path, shape: dict, steps: int, batch: int,
+                         eager: bool) -> tuple[list[str], float]:
     model_dir = write_config(root / "llama8b", shape)
     engine = create_reference_engine(EngineArgs(
         model=str(model_dir), device=device, dtype="bfloat16", load_format="dummy",
         num_gpu_blocks=(batch * (128 + steps)) // 32 + 64, kv_block_size=32,
-        max_batch_size=batch, max_num_tokens=8192))
+        max_batch_size=batch, max_num_tokens=8192, enforce_eager=eager))
+    mode = "eager" if eager or device == "cpu" else "CUDA graphs"
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     await engine.start()
     prompt = [[(7 * i + j) % 1000 + 5 for j in range(128)] for i in range(batch)]
@@ -126,10 +127,10 @@ async def decode_figures(device: str, root: pathlib.Path, shape: dict,
     await engine.close()
     del engine
     torch.cuda.empty_cache() if device.startswith("cuda") else None
-    rows = [f"| weights (dummy, bf16) | {weight_bytes / 1e9:.2f} GB |",
-            f"| engine decode ITL p50, batch 1 | {b1:.2f} ms |",
-            f"| engine decode ITL p50, batch {batch} | {b64_itl:.2f} ms |",
-            f"| engine output tokens/s, batch {batch} (prefill included) | {total / wall:,.0f} |"]
+    rows = [f"| engine ({mode}) decode ITL p50, batch 1 | {b1:.2f} ms |",
+            f"| engine ({mode}) decode ITL p50, batch {batch} | {b64_itl:.2f} ms |",
+            f"| engine ({mode}) output tokens/s, batch {batch} (prefill included) | "
+            f"{total / wall:,.0f} |"]
     return rows, weight_bytes
 
 
@@ -166,8 +167,11 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         rows += await check_equivalence(device, root)
-        decode_rows, weight_bytes = await decode_figures(device, root, shape, steps, batch)
-        rows += decode_rows
+        for eager in (True, False):
+            decode_rows, weight_bytes = await decode_figures(device, root, shape, steps, batch,
+                                                             eager)
+            rows += decode_rows
+        rows.append(f"| weights (dummy, bf16) | {weight_bytes / 1e9:.2f} GB |")
         hf = hf_step_ms(device, root, shape, steps)
         rows.append(f"| transformers generate ms/token, batch 1 (dynamic cache) | {hf:.2f} ms |")
         if device == "cuda":

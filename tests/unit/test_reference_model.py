@@ -151,7 +151,11 @@ def test_decode_path_equals_per_sequence_path(families: dict[str, Family]) -> No
                                               for tokens, blocks in seqs], decode=decode))
     assert results[0].dtype == torch.float32
     torch.testing.assert_close(results[0], results[1], atol=0.05, rtol=0)
-    assert torch.equal(results[0].argmax(-1), results[1].argmax(-1))
+    # Argmax must agree wherever the top two logits are further apart than bf16 rounding;
+    # exact ties flip between CPU builds (seen with torch 2.11 on the GPU machine's CPU).
+    top2 = results[0].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert torch.equal(results[0].argmax(-1)[clear], results[1].argmax(-1)[clear])
 
 
 def test_sharded_checkpoint_loads_the_same_weights(families: dict[str, Family],
