@@ -12,7 +12,6 @@ import pathlib
 import tempfile
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.reference_gpu import LLAMA_8B, generate, write_config

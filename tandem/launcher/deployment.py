@@ -13,8 +13,9 @@ from tandem.runtime import config as config_lib
 @dataclass(frozen=True)
 class Deployment:
     host: str = "127.0.0.1"
-    #: Engine backend of every worker.
-    engine: str = "mock"
+    #: Engine backend of every worker: "reference" (PyTorch, real inference) or "mock" (no model
+    #: compute, simulated timing: for load tests of the serving stack).
+    engine: str = "reference"
     #: Name clients pass as `model`; default: the model directory's name.
     served_model_name: str = ""
     #: Frontend OpenAI REST port.

@@ -2,10 +2,10 @@
 
 `make up` and the tests need a real Hugging Face model directory without downloading anything. This
 module writes one: a byte-level BPE tokenizer trained on a bundled English corpus
-(`demo_corpus.txt`), a ChatML chat template, and the config of a tiny LlamaForCausalLM. Every file
-is written deterministically, so two builds give identical bytes (with the same `tokenizers`
-version). Weights are not written yet; a later issue adds them from `DemoSpec.seed`, before the
-marker file, and bumps `DEMO_FORMAT_VERSION` so that cached copies are rebuilt.
+(`demo_corpus.txt`), a ChatML chat template, and a tiny LlamaForCausalLM (config and float32
+`model.safetensors`, ~1.4 MB) with random weights drawn from `DemoSpec.seed`. The weights are not
+trained: the model writes fluent-looking nonsense at best. Every file is written deterministically,
+so two builds give identical bytes (with the same `tokenizers` and torch versions).
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from importlib import resources
 from typing import Any
 
 #: Bump whenever the generated files change: ensure_demo_model rebuilds copies of other versions.
-DEMO_FORMAT_VERSION = 1
+#: 2: random weights (model.safetensors).
+DEMO_FORMAT_VERSION = 2
+WEIGHTS_FILE = "model.safetensors"
 #: Written last; its presence with the expected content marks a complete, current demo model.
 MARKER_FILE = "tandem-demo.json"
 
@@ -70,7 +72,10 @@ class DemoSpec:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    seed: int = 0  # for the random weights a later issue writes
+    #: Std of the random matrices: ten times transformers' initializer_range. At 0.02 the logits
+    #: are near-uniform and greedy decoding only repeats the prompt's last token.
+    weight_std: float = 0.2
+    seed: int = 0  # of the random weights
 
 
 DEMO_SPEC = DemoSpec()
@@ -98,7 +103,7 @@ def create_demo_model(path: str | pathlib.Path, spec: DemoSpec = DEMO_SPEC) -> p
     _write_json(root / "tokenizer_config.json", _tokenizer_config(spec))
     _write_json(root / "config.json", _model_config(spec, vocab_size, ids))
     _write_json(root / "generation_config.json", _generation_config(ids))
-    # Weights go here (model.safetensors from spec.seed) once the reference engine needs them.
+    _write_weights(root / WEIGHTS_FILE, spec, vocab_size)
     _write_json(root / MARKER_FILE, _marker(spec))
     return root
 
@@ -241,6 +246,51 @@ def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
         "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
         "pad_token_id": ids[PAD_TOKEN],
     }
+
+
+def _weight_shapes(spec: DemoSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of transformers' LlamaForCausalLM with tied embeddings (so no
+    lm_head.weight), in a fixed order: the order the generator draws them in."""
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    head = spec.hidden_size // spec.num_attention_heads
+    q_out, kv_out = spec.num_attention_heads * head, spec.num_key_value_heads * head
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, hidden)}
+    for i in range(spec.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.self_attn.q_proj.weight": (q_out, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv_out, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv_out, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, q_out),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
+            f"{layer}.mlp.up_proj.weight": (inter, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inter),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def _write_weights(path: pathlib.Path, spec: DemoSpec, vocab_size: int) -> None:
+    """Random float32 weights: matrices N(0, weight_std^2), RMSNorm weights one. Drawn here with
+    torch rather than by building LlamaForCausalLM: importing transformers' model code alone takes
+    seconds, and the bytes must not change when transformers changes its initialization order.
+    A private generator keeps the global torch RNG untouched."""
+    import torch
+    from safetensors.torch import save
+
+    generator = torch.Generator().manual_seed(spec.seed)
+    tensors = {}
+    for name, shape in _weight_shapes(spec, vocab_size).items():
+        if len(shape) == 1:
+            tensors[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            tensors[name] = torch.empty(shape, dtype=torch.float32).normal_(
+                0.0, spec.weight_std, generator=generator)
+    # save() + write_bytes rather than save_file, which creates the file 0600 (the cache may be
+    # shared with other users).
+    path.write_bytes(save(tensors, metadata={"format": "pt"}))
 
 
 def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:

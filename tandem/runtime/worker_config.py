@@ -17,7 +17,7 @@ class WorkerConfig:
     #: Stable identity in KV events and routing; default "host:port".
     worker_id: str = ""
     #: Engine backend by registry name (mock, ...).
-    engine: str = "mock"
+    engine: str = "reference"
     #: agg (prefill locally, decode), prefill, decode or encode.
     disaggregation_mode: str = "agg"
     #: Model name clients use; default: the model directory's name.

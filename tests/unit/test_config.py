@@ -63,3 +63,11 @@ def test_shipped_deployment_file_loads_and_wires_the_topology() -> None:
     frontend = procs[3].argv
     assert frontend[frontend.index("--router-address") + 1] == "127.0.0.1:9100"
     assert all("--speedup-ratio" not in p.argv for p in procs[:2])  # 1.0 is the default
+    decode = procs[0].argv
+    assert decode[decode.index("--engine") + 1] == "reference"
+
+
+def test_shipped_deployment_file_is_the_defaults_written_out() -> None:
+    d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml")], prog="t")
+    assert d == Deployment()
+    assert d.engine == "reference"

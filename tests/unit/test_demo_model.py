@@ -1,6 +1,7 @@
 """The generated demo model directory: deterministic, loadable by transformers, round-trips text."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import random
@@ -44,7 +45,7 @@ def _files(root: pathlib.Path) -> dict[str, bytes]:
 def test_two_builds_are_byte_identical(demo_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     again = _files(demo.create_demo_model(tmp_path / "again"))
     assert set(again) >= {"config.json", "generation_config.json", "tokenizer.json",
-                          "tokenizer_config.json"}
+                          "tokenizer_config.json", demo.WEIGHTS_FILE}
     assert again == _files(demo_dir)
 
 
@@ -140,6 +141,40 @@ def test_transformers_reads_the_config(demo_dir: pathlib.Path) -> None:
     config = AutoConfig.from_pretrained(str(demo_dir), local_files_only=True)
     assert config.model_type == "llama" and config.vocab_size == 4096
     assert config.num_key_value_heads == 2 and config.intermediate_size == 128
+
+
+def test_transformers_loads_the_weights(demo_dir: pathlib.Path, hf_tokenizer) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(demo_dir), local_files_only=True,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # nothing left at init
+    assert not info["mismatched_keys"]
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    std = model.model.layers[0].self_attn.q_proj.weight.std().item()
+    assert abs(std - demo.DEMO_SPEC.weight_std) < 0.02
+    ids = hf_tokenizer("Hello, world!", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 4096) and torch.isfinite(logits).all()
+    # Spread enough that greedy decoding does not just repeat the last token.
+    out = model.generate(ids, do_sample=False, max_new_tokens=16)
+    assert len(set(out[0, ids.shape[1]:].tolist())) > 4
+    assert (demo_dir / demo.WEIGHTS_FILE).stat().st_size < 2 * 1024 * 1024
+
+
+def test_weights_follow_the_seed(demo_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    from safetensors.torch import load_file
+
+    other = demo.create_demo_model(tmp_path / "seed1", dataclasses.replace(demo.DEMO_SPEC, seed=1))
+    mine, theirs = (load_file(str(d / demo.WEIGHTS_FILE)) for d in (demo_dir, other))
+    assert mine.keys() == theirs.keys()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert mine[name].shape == theirs[name].shape and not mine[name].equal(theirs[name])
+    # The marker records the seed, so a cached copy of another seed is rebuilt.
+    assert json.loads((other / demo.MARKER_FILE).read_text())["spec"]["seed"] == 1
 
 
 def test_default_dir_follows_tandem_home(monkeypatch: pytest.MonkeyPatch,
