@@ -98,7 +98,7 @@ async def test_greedy_matches_transformers_on_a_mixed_batch(
         await engine.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 async def test_chunked_prefill_gives_the_same_tokens(
         family: str, model_dirs: dict[str, pathlib.Path]) -> None:
     engine = engine_for(model_dirs[family], max_num_tokens=12)  # every prompt is chunked
@@ -112,7 +112,7 @@ async def test_chunked_prefill_gives_the_same_tokens(
         await engine.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 async def test_prefix_cache_hits_give_the_same_tokens(
         family: str, model_dirs: dict[str, pathlib.Path]) -> None:
     engine = engine_for(model_dirs[family])
@@ -133,7 +133,7 @@ async def test_prefix_cache_hits_give_the_same_tokens(
         await engine.close()
 
 
-@pytest.mark.parametrize("family", ["mistral", "llama3"])
+@pytest.mark.parametrize("family", FAMILIES)
 async def test_preemption_by_recompute_gives_the_same_tokens(
         family: str, model_dirs: dict[str, pathlib.Path]) -> None:
     # Three prompts of 4 blocks each fill the 12-block pool at admission; each needs a fifth
