@@ -21,6 +21,71 @@ class WorkerRef:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteContext:
+    """What a policy knows of the request it places."""
+
+    request_id: str
+    #: Chained block hashes of the prompt's full blocks (tandem.kv.hashing, the engines' hashing).
+    block_hashes: tuple[int, ...]
+    #: Prompt length, tokens.
+    isl: int
+    #: Expected output length, tokens.
+    expected_osl: int
+    sla: SlaHints = field(default_factory=SlaHints)
+
+
+@dataclass
+class WorkerState:
+    """A worker as the router sees it: membership, health and load.
+
+    Load is the worker's last report (its KvEvents WorkerLoad) plus what the router handed it
+    since that report: a burst is spread at once instead of piling onto the worker that looked
+    idle a moment ago, and each report corrects the estimate.
+    """
+
+    ref: WorkerRef
+    #: Tokens per KV block on this worker (to turn token counts into blocks).
+    block_size: int = 32
+    #: In the candidate set: health SERVING and its event stream connected.
+    healthy: bool = True
+    reported_prefill_blocks: int = 0
+    reported_decode_blocks: int = 0
+    reported_requests: int = 0
+    #: Handed out since the last report.
+    pending_prefill_blocks: int = 0
+    pending_decode_blocks: int = 0
+    pending_requests: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.ref.worker_id
+
+    @property
+    def active_prefill_blocks(self) -> int:
+        return self.reported_prefill_blocks + self.pending_prefill_blocks
+
+    @property
+    def active_decode_blocks(self) -> int:
+        return self.reported_decode_blocks + self.pending_decode_blocks
+
+    @property
+    def active_requests(self) -> int:
+        return self.reported_requests + self.pending_requests
+
+    def hand_out(self, prefill_blocks: int, decode_blocks: int) -> None:
+        self.pending_prefill_blocks += prefill_blocks
+        self.pending_decode_blocks += decode_blocks
+        self.pending_requests += 1
+
+    def report(self, prefill_blocks: int, decode_blocks: int, requests: int) -> None:
+        """A load report from the worker replaces the estimate."""
+        self.reported_prefill_blocks = prefill_blocks
+        self.reported_decode_blocks = decode_blocks
+        self.reported_requests = requests
+        self.pending_prefill_blocks = self.pending_decode_blocks = self.pending_requests = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     #: Ordered choices: the first is the pick, the rest are fallbacks.
     decode_workers: tuple[WorkerRef, ...]
