@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
                                   "help": f.metadata.get("help")}
         base = _scalar_type(tp)
+        if _is_list_of_configs(base):
+            continue  # structured lists come from the YAML file only
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) in (list, tuple):
@@ -103,6 +105,11 @@ def build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     return cls(**kwargs)
 
 
+def _is_list_of_configs(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (list, tuple) and bool(args) and _is_config_class(args[0])
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     base = _scalar_type(tp)
     if value is None and base is not tp:
@@ -112,7 +119,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise InvalidRequest(f"config key {key} must be a list", param=key)
         item = typing.get_args(base)[0]
-        items = [_coerce(v, item, key) for v in value]
+        if _is_config_class(item):
+            for i, v in enumerate(value):
+                if not isinstance(v, dict):
+                    raise InvalidRequest(f"config key {key}[{i}] must be a mapping",
+                                         param=f"{key}[{i}]")
+            items = [build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
+        else:
+            items = [_coerce(v, item, key) for v in value]
         return tuple(items) if origin is tuple else items
     if base in _SCALARS:
         if base is float and isinstance(value, int) and not isinstance(value, bool):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -71,3 +72,25 @@ def test_shipped_deployment_file_is_the_defaults_written_out() -> None:
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml")], prog="t")
     assert d == Deployment()
     assert d.engine == "reference"
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str = ""
+    ports: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Topo:
+    pools: list[Pool] = field(default_factory=list)
+
+
+def test_lists_of_structured_entries_come_from_yaml(tmp_path: pathlib.Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("pools:\n  - {name: a, ports: [1, 2]}\n  - {name: b}\n")
+    assert config_lib.load(Topo, ["--config", str(good)], prog="t").pools == [
+        Pool("a", [1, 2]), Pool("b", [])]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - {name: a, portz: [1]}\n")
+    with pytest.raises(InvalidRequest, match=r"pools\[0\]\.portz"):
+        config_lib.load(Topo, ["--config", str(bad)], prog="t")
