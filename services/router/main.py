@@ -1,14 +1,18 @@
-"""`tandem serve router`."""
+"""`tandem serve router`: pools, SLA grid, worker policies, and a watcher per worker."""
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Callable, Sequence
 
 from services.router.servicer import RouterServicer
+from services.router.watcher import WorkerWatcher
 from tandem.errors import InvalidRequest
-from tandem.routing.round_robin import create_router
-from tandem.routing.workers import WorkerRef
+from tandem.routing.config import PoolConfig, RouterConfig
+from tandem.routing.grid import GridConfig
+from tandem.routing.router import Router
+from tandem.routing.workers import WorkerState
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, loop
 from tandem.runtime.server import GrpcService, ServerOptions
@@ -17,29 +21,94 @@ from tandem.v1 import router_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 9100
-    #: Decode worker addresses (host:port); each address is also the worker's id.
-    decode_workers: list[str] = field(default_factory=list)
-    #: Worker policy inside the decode pool. Only round_robin in this build.
-    policy: str = "round_robin"
-    grace_period_s: float = 30.0
-    log_level: str = "info"
+def build_router(config: RouterConfig) -> Router:
+    pools = config.resolved_pools()
+    if not any(p.workers or p.dns for p in pools):
+        raise InvalidRequest("the router needs workers: --decode-workers, or pools in --config",
+                             param="pools")
+    grid = GridConfig.from_file(config.grid_config) if config.grid_config else None
+    return Router(pools, grid, config.block_size, config.typical_osl)
+
+
+async def _resolve(dns: str) -> list[str]:
+    host, _, port = dns.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port),
+                                                         type=socket.SOCK_STREAM)
+    return sorted({f"{info[4][0]}:{port}" for info in infos})
+
+
+class Membership:
+    """One watcher per worker; DNS pools re-resolved every `refresh_s`."""
+
+    def __init__(self, router: Router, refresh_s: float,
+                 on_change: Callable[[], None]) -> None:
+        self.router = router
+        self.refresh_s = refresh_s
+        self.on_change = on_change
+        self.watchers: dict[str, WorkerWatcher] = {}
+
+    def _watch(self, workers: Sequence[WorkerState]) -> None:
+        for state in workers:
+            watcher = WorkerWatcher(state, self.router.index, self.on_change)
+            self.watchers[state.worker_id] = watcher
+            watcher.start()
+
+    async def run_dns(self, pool: PoolConfig) -> None:
+        while True:
+            try:
+                addresses = await _resolve(pool.dns)
+            except OSError as exc:
+                log.warning("DNS resolution failed", extra={"dns": pool.dns, "error": str(exc)})
+            else:
+                self._watch(self.router.set_pool_workers(pool.name, addresses))
+                for gone in [w for w in self.watchers if w not in
+                             {s.worker_id for s in self.router.all_workers()}]:
+                    await self.watchers.pop(gone).close()
+            await asyncio.sleep(self.refresh_s)
+
+    def start(self, pools: Sequence[PoolConfig]) -> list[asyncio.Task[None]]:
+        for state in self.router.all_workers():
+            state.healthy = False  # until its health and event stream say otherwise
+        self._watch(self.router.all_workers())
+        return [asyncio.create_task(self.run_dns(p)) for p in pools if p.dns]
+
+    async def close(self) -> None:
+        for watcher in self.watchers.values():
+            await watcher.close()
 
 
 async def serve(config: RouterConfig) -> None:
     logs.setup("router", config.log_level)
     log.info("config", extra={"config": config_lib.as_dict(config)})
-    if not config.decode_workers:
-        raise InvalidRequest("router needs at least one --decode-workers address",
-                             param="decode_workers")
-    router = create_router(config.policy, [WorkerRef(a, a, "decode")
-                                           for a in config.decode_workers])
+    router = build_router(config)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
                           ["tandem.v1.Router"])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), service.server)
+    router_pb2_grpc.add_RouterServicer_to_server(
+        RouterServicer(router, config.typical_osl), service.server)
+    health_updates: set[asyncio.Task[None]] = set()
+
+    def on_change() -> None:
+        # The router serves only while some worker can take a request: `tandem up` and
+        # orchestrators then never send traffic to a router that would answer UNAVAILABLE.
+        serving = any(w.healthy for w in router.all_workers())
+        if service.draining.active:
+            return
+        task = asyncio.get_running_loop().create_task(service.set_serving(serving))
+        health_updates.add(task)
+        task.add_done_callback(health_updates.discard)
+
+    # NOT_SERVING until the first worker is healthy (set before any watcher can report).
+    service.serve_when_started = False
+    await service.set_serving(False)
+    membership = Membership(router, config.dns_refresh_s, on_change)
+    dns_tasks = membership.start(config.resolved_pools())
+
+    async def close() -> None:
+        for task in dns_tasks:
+            task.cancel()
+        await membership.close()
+
+    service.on_close(close)
     await service.run()
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.routing.round_robin import RoundRobinRouter
-from tandem.routing.workers import WorkerRef
+from tandem.routing.router import Router, RouteRequestInfo
+from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.v1 import router_pb2 as pb
 from tandem.v1 import router_pb2_grpc
 
@@ -13,15 +13,30 @@ def _ref(worker: WorkerRef) -> pb.WorkerRef:
     return pb.WorkerRef(worker_id=worker.worker_id, address=worker.address, pool=worker.pool)
 
 
+def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
+    sla = request.sla
+    return RouteRequestInfo(
+        request_id=request.request_id,
+        token_ids=request.token_ids,
+        block_hashes=request.block_hashes,
+        isl=request.isl if request.HasField("isl") else len(request.token_ids),
+        expected_osl=request.expected_osl if request.HasField("expected_osl") else default_osl,
+        sla=SlaHints(sla.ttft_ms if sla.HasField("ttft_ms") else None,
+                     sla.itl_ms if sla.HasField("itl_ms") else None,
+                     request.priority if request.HasField("priority") else None),
+        exclude_ids=tuple(request.exclude_worker_ids))
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: RoundRobinRouter) -> None:
+    def __init__(self, router: Router, default_osl: int) -> None:
         self.router = router
+        self.default_osl = default_osl
 
     async def Route(self, request: pb.RouteRequest,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         for done in request.completed:
             self.router.complete(done.request_id)
-        decision = self.router.route(request.request_id, tuple(request.exclude_worker_ids))
+        decision = self.router.route(route_info(request, self.default_osl))
         return pb.RouteResponse(decode_workers=[_ref(w) for w in decision.decode_workers],
                                 prefill_workers=[_ref(w) for w in decision.prefill_workers],
                                 encode_workers=[_ref(w) for w in decision.encode_workers],

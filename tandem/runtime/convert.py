@@ -179,3 +179,18 @@ def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
             params.disagg_request_id = p.disagg_request_id
         msg.trtllm_params.CopyFrom(params)
     return msg
+
+
+def stored_from_pb(msg: ev_pb.BlockStored) -> t.BlockStored:
+    return t.BlockStored(tuple(msg.block_hashes),
+                         msg.parent_hash if msg.HasField("parent_hash") else None,
+                         tuple(msg.token_ids), msg.block_size, tuple(msg.mm_hashes))
+
+
+def kv_event_from_pb(msg: ev_pb.KvEvent) -> t.KvEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "stored":
+        return stored_from_pb(msg.stored)
+    if kind == "removed":
+        return t.BlockRemoved(tuple(msg.removed.block_hashes))
+    return t.AllBlocksCleared()

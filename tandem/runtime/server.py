@@ -66,6 +66,8 @@ class GrpcService:
             raise OSError(f"cannot bind gRPC port {options.host}:{options.port}")
         self._close_hooks: list[CloseHook] = []
         self._drain_hooks: list[CloseHook] = []
+        #: False for a service that reports SERVING itself once it can serve (the router).
+        self.serve_when_started = True
         self._stop = asyncio.Event()
 
     @property
@@ -90,7 +92,8 @@ class GrpcService:
 
     async def start(self) -> None:
         await self.server.start()
-        await self.set_serving(True)
+        if self.serve_when_started:
+            await self.set_serving(True)
         log.info("serving", extra={"address": self.address, "services": self.service_names})
 
     async def run(self) -> None:

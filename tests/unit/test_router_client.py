@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 
 from services.router.servicer import RouterServicer
-from tandem.routing.round_robin import RoundRobinRouter
-from tandem.routing.workers import SlaHints, WorkerRef
+from tandem.routing.config import PoolConfig
+from tandem.routing.router import Router
+from tandem.routing.workers import SlaHints
 from tandem.runtime.clients import RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
 
 
-class ObservedRouter(RoundRobinRouter):
+class ObservedRouter(Router):
     """Signals every release so the test can await it instead of sleeping."""
 
     def __init__(self) -> None:
-        super().__init__([WorkerRef("w0", "127.0.0.1:1", "decode")])
+        super().__init__([PoolConfig("decode", "decode", ["w0"])], None, 32, 1024)
         self.released = asyncio.Event()
         self.complete_calls: list[str] = []
 
@@ -28,7 +29,7 @@ class ObservedRouter(RoundRobinRouter):
 
 async def _serve(router: ObservedRouter) -> GrpcService:
     service = GrpcService(ServerOptions("127.0.0.1", 0, grace_s=1), ["tandem.v1.Router"])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), service.server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, 1024), service.server)
     await service.start()
     return service
 

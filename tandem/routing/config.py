@@ -1,0 +1,55 @@
+"""Typed router configuration (defaults < YAML < flags, like every service)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POOL_KINDS = ("decode", "prefill", "agg")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of workers and how the router picks among them."""
+
+    name: str = ""
+    #: decode, prefill (disaggregated grid pools) or agg (aggregated grid pools).
+    kind: str = "decode"
+    #: Static worker addresses, host:port (each address is also the worker's id).
+    workers: list[str] = field(default_factory=list)
+    #: Or a DNS name with port (a Kubernetes headless Service), re-resolved periodically.
+    dns: str = ""
+    #: round_robin, random, least_loaded, power_of_two or kv.
+    policy: str = "round_robin"
+    #: kv policy: weight of prefill work against decode load.
+    prefill_load_scale: float = 1.0
+    #: kv policy: 0 picks the cheapest; > 0 samples by softmax over -cost / temperature.
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 9100
+    #: Shorthand for one decode pool of these addresses (used when `pools` is empty).
+    decode_workers: list[str] = field(default_factory=list)
+    #: Policy of that shorthand pool.
+    policy: str = "round_robin"
+    #: Pools (YAML only); the grid's pool indices count prefill, decode and agg pools each in
+    #: the order they are listed here.
+    pools: list[PoolConfig] = field(default_factory=list)
+    #: Dynamo global-router JSON file with the SLA grid; empty: the first pool serves everything,
+    #: the others are its retry order.
+    grid_config: str = ""
+    #: Tokens per KV block: the workers' --kv-block-size (prefix hashes must match theirs).
+    block_size: int = 32
+    #: Cap on the expected output length used for the decode context length, tokens.
+    typical_osl: int = 1024
+    #: Seconds between DNS re-resolutions of `dns` pools.
+    dns_refresh_s: float = 10.0
+    grace_period_s: float = 30.0
+    log_level: str = "info"
+
+    def resolved_pools(self) -> list[PoolConfig]:
+        if self.pools:
+            return self.pools
+        return [PoolConfig(name="decode", kind="decode", workers=list(self.decode_workers),
+                           policy=self.policy)]

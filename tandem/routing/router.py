@@ -1,0 +1,145 @@
+"""The router's decision: pool by SLA grid, worker by the pool's policy, load counted from the
+moment a worker is handed out.
+
+Pools come from RouterConfig. With a Dynamo grid config, the grid picks a pool (and a retry
+order of faster pools) per request; without one, the first serving pool is the pick and the
+others its retry order. The pick's fallbacks are the chosen pool's other workers in policy
+order, then the best worker of each retry pool: the frontend walks them only while nothing has
+streamed to the client.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.kv.hashing import block_hashes as hash_blocks
+from tandem.routing.config import POOL_KINDS, PoolConfig
+from tandem.routing.grid import GridConfig
+from tandem.routing.policies import WorkerPolicy, create_policy
+from tandem.routing.prefix_index import PrefixIndex
+from tandem.routing.workers import (
+    InFlight,
+    RouteContext,
+    RouteDecision,
+    SlaHints,
+    WorkerRef,
+    WorkerState,
+)
+
+
+@dataclass
+class Pool:
+    config: PoolConfig
+    policy: WorkerPolicy
+    workers: dict[str, WorkerState] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequestInfo:
+    request_id: str
+    token_ids: Sequence[int]
+    block_hashes: Sequence[int]
+    isl: int
+    expected_osl: int
+    sla: SlaHints
+    exclude_ids: Sequence[str] = ()
+
+
+class Router:
+    def __init__(self, pools: Sequence[PoolConfig], grid: GridConfig | None, block_size: int,
+                 typical_osl: int, index: PrefixIndex | None = None) -> None:
+        self.index = index if index is not None else PrefixIndex()
+        self.block_size = block_size
+        self.typical_osl = typical_osl
+        self.grid = grid
+        self.pools: list[Pool] = []
+        for i, cfg in enumerate(pools):
+            if cfg.kind not in POOL_KINDS:
+                raise InvalidRequest(f"pools[{i}].kind must be one of {', '.join(POOL_KINDS)}, "
+                                     f"got '{cfg.kind}'", param=f"pools[{i}].kind")
+            options: dict[str, object] = {}
+            if cfg.policy == "kv":
+                options = {"index": self.index, "prefill_load_scale": cfg.prefill_load_scale,
+                           "temperature": cfg.temperature}
+            pool = Pool(cfg, create_policy(cfg.policy, **options))
+            for address in cfg.workers:
+                pool.workers[address] = WorkerState(WorkerRef(address, address, cfg.name),
+                                                    block_size=block_size)
+            self.pools.append(pool)
+        self.in_flight = InFlight()
+        self._by_kind = {kind: [p for p in self.pools if p.config.kind == kind]
+                         for kind in POOL_KINDS}
+        if grid is not None:
+            self._check_grid(grid)
+
+    def _check_grid(self, grid: GridConfig) -> None:
+        sets = ({"agg": grid.agg} if grid.mode == "agg"
+                else {"prefill": grid.prefill, "decode": grid.decode})
+        for kind, pool_set in sets.items():
+            have = len(self._by_kind[kind])
+            if pool_set is not None and pool_set.num_pools != have:
+                raise InvalidRequest(f"the grid config has {pool_set.num_pools} {kind} pools but "
+                                     f"the router config lists {have}", param="pools")
+
+    def all_workers(self) -> list[WorkerState]:
+        return [w for pool in self.pools for w in pool.workers.values()]
+
+    def set_pool_workers(self, pool_name: str, addresses: Sequence[str]) -> list[WorkerState]:
+        """Membership change (DNS): returns the workers added; removed ones leave the index."""
+        pool = next(p for p in self.pools if p.name == pool_name)
+        added = []
+        for address in addresses:
+            if address not in pool.workers:
+                pool.workers[address] = WorkerState(WorkerRef(address, address, pool_name),
+                                                    block_size=self.block_size)
+                added.append(pool.workers[address])
+        for address in [a for a in pool.workers if a not in set(addresses)]:
+            del pool.workers[address]
+            self.index.remove_worker(address)
+        return added
+
+    def _pool_order(self, info: RouteRequestInfo) -> list[Pool]:
+        sla = info.sla
+        if self.grid is None:
+            serving = self._by_kind["decode"] or self._by_kind["agg"]
+            return list(serving)
+        if self.grid.mode == "agg":
+            choice = self.grid.select_agg_pool(sla.ttft_ms, sla.itl_ms, sla.priority,
+                                               isl=info.isl)
+            return [self._by_kind["agg"][i] for i in choice.pools]
+        context = self.grid.decode_context_length(info.isl, min(info.expected_osl,
+                                                                self.typical_osl))
+        choice = self.grid.select_decode_pool(context, sla.itl_ms, sla.priority)
+        return [self._by_kind["decode"][i] for i in choice.pools]
+
+    def route(self, info: RouteRequestInfo) -> RouteDecision:
+        hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
+                                                               self.block_size))
+        ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
+        exclude = set(info.exclude_ids)
+        ordered: list[tuple[WorkerState, int]] = []
+        for pool in self._pool_order(info):
+            candidates = [w for w in pool.workers.values()
+                          if w.healthy and w.worker_id not in exclude]
+            ranked = pool.policy.rank(candidates, ctx)
+            # The first pool that can serve gives the pick and its own fallbacks; each later
+            # pool in the retry order contributes its best worker.
+            ordered.extend(ranked if not ordered else ranked[:1])
+        if not ordered:
+            raise Unavailable("no healthy worker in any eligible pool"
+                              + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""))
+        pick, overlap = ordered[0]
+        new_blocks = max(len(hashes), math.ceil(info.isl / self.block_size))
+        pick.hand_out(max(new_blocks - overlap, 0), new_blocks)
+        self.in_flight.add(info.request_id, pick.ref)
+        return RouteDecision(decode_workers=tuple(w.ref for w, _ in ordered),
+                             overlap_blocks=overlap)
+
+    def complete(self, request_id: str) -> bool:
+        return self.in_flight.remove(request_id)
