@@ -26,6 +26,13 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
                 "X-Accel-Buffering": "no"}
 
 
+def _decision_headers(delta: Delta | None) -> dict[str, str]:
+    """Which pool and worker served the request (x-tandem-*), for clients and load tests."""
+    if delta is None or delta.worker is None:
+        return {}
+    return {"x-tandem-decode-worker": delta.worker.worker_id, "x-tandem-pool": delta.worker.pool}
+
+
 def _sse(event: dict) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -85,12 +92,20 @@ class OpenAIRoutes:
         try:
             if parsed.stream:
                 return await self._stream(request, responder, deltas, endpoint)
+            seen: list[Delta] = []
+
+            async def remember_first() -> AsyncIterator[Delta]:
+                async for delta in deltas:
+                    if not seen:
+                        seen.append(delta)
+                    yield delta
+
             try:
-                body = await responder.collect(deltas)
+                body = await responder.collect(remember_first())
             except Exception as exc:  # noqa: BLE001
                 return self._error(exc, endpoint)
             self._count(endpoint, "200", body.get("usage"))
-            return web.json_response(body)
+            return web.json_response(body, headers=_decision_headers(seen[0] if seen else None))
         finally:
             await deltas.aclose()
             in_flight.dec()
@@ -106,7 +121,7 @@ class OpenAIRoutes:
             first = await anext(deltas)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, endpoint)
-        response = web.StreamResponse(headers=_SSE_HEADERS)
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **_decision_headers(first)})
         await response.prepare(request)
         events = responder.first_events() + responder.delta_events(first)
         usage = first.usage

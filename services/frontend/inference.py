@@ -76,8 +76,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         gen = self.frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
         deltas = self.frontend.pipeline.generate(gen)
+        sent_metadata = False
         try:
             async for delta in deltas:
+                if not sent_metadata and delta.worker is not None:
+                    await context.send_initial_metadata((
+                        ("x-tandem-decode-worker", delta.worker.worker_id),
+                        ("x-tandem-pool", delta.worker.pool)))
+                    sent_metadata = True
                 chunk = pb.InferenceChunk(request_id=echo_id, text=delta.text,
                                           token_ids=delta.token_ids)
                 if delta.logprobs:

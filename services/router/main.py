@@ -6,11 +6,14 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 
+from prometheus_client import start_http_server
+
 from services.router.servicer import RouterServicer
 from services.router.watcher import WorkerWatcher
 from tandem.errors import InvalidRequest
 from tandem.routing.config import PoolConfig, RouterConfig
 from tandem.routing.grid import GridConfig
+from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router
 from tandem.routing.workers import WorkerState
 from tandem.runtime import config as config_lib
@@ -83,14 +86,23 @@ async def serve(config: RouterConfig) -> None:
     router = build_router(config)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
                           ["tandem.v1.Router"])
+    metrics = RouterMetrics()
+    metrics.watch_index(lambda: {w.worker_id: (len(router.index.blocks_of(w.worker_id)),
+                                               w.active_requests)
+                                 for w in router.all_workers()})
+    if config.metrics_port:
+        start_http_server(config.metrics_port, config.host, registry=metrics.registry)
     router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(router, config.typical_osl), service.server)
+        RouterServicer(router, config.typical_osl, metrics), service.server)
     health_updates: set[asyncio.Task[None]] = set()
 
     def on_change() -> None:
         # The router serves only while some worker can take a request: `tandem up` and
         # orchestrators then never send traffic to a router that would answer UNAVAILABLE.
         serving = any(w.healthy for w in router.all_workers())
+        for pool in router.pools:
+            metrics.healthy_workers.labels(pool.name).set(
+                sum(w.healthy for w in pool.workers.values()))
         if service.draining.active:
             return
         task = asyncio.get_running_loop().create_task(service.set_serving(serving))

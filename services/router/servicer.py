@@ -1,8 +1,12 @@
 """Router servicer: protobuf in, routing library call, protobuf out."""
 from __future__ import annotations
 
+import time
+
 import grpc
 
+from tandem.errors import Unavailable
+from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.v1 import router_pb2 as pb
@@ -28,15 +32,23 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, default_osl: int) -> None:
+    def __init__(self, router: Router, default_osl: int,
+                 metrics: RouterMetrics | None = None) -> None:
         self.router = router
         self.default_osl = default_osl
+        self.metrics = metrics or RouterMetrics()
 
     async def Route(self, request: pb.RouteRequest,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         for done in request.completed:
             self.router.complete(done.request_id)
-        decision = self.router.route(route_info(request, self.default_osl))
+        start = time.perf_counter()
+        try:
+            decision = self.router.route(route_info(request, self.default_osl))
+        except Unavailable:
+            self.metrics.unroutable.inc()
+            raise
+        self.metrics.observe(decision, time.perf_counter() - start)
         return pb.RouteResponse(decode_workers=[_ref(w) for w in decision.decode_workers],
                                 prefill_workers=[_ref(w) for w in decision.prefill_workers],
                                 encode_workers=[_ref(w) for w in decision.encode_workers],

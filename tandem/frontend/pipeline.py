@@ -61,6 +61,8 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    #: The decode worker producing this answer (its pool too).
+    worker: WorkerRef | None = None
 
 
 class RouterPort(Protocol):
@@ -148,18 +150,19 @@ class Pipeline:
                     kept = chunk.token_ids[:max(detok.num_tokens - emitted, 0)]
                     emitted += len(kept)
                     usage = Usage(len(req.prompt_token_ids), emitted, cached)
-                    yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP, usage)
+                    yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP, usage,
+                                worker)
                     return
                 emitted += len(chunk.token_ids)
                 if chunk.finish_reason is None:
                     if text or chunk.token_ids:
-                        yield Delta(text, chunk.token_ids, chunk.logprobs)
+                        yield Delta(text, chunk.token_ids, chunk.logprobs, worker=worker)
                     continue
                 if chunk.usage is None:
                     raise UpstreamError(f"decode worker {worker.address} finished without usage")
                 usage = Usage(chunk.usage.prompt_tokens, emitted, chunk.usage.cached_tokens)
                 yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
-                            chunk.finish_reason, usage)
+                            chunk.finish_reason, usage, worker)
                 return
             raise UpstreamError(f"decode worker {worker.address} ended the stream unfinished")
         finally:

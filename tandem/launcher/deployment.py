@@ -3,11 +3,30 @@ starts it as local processes; compose and Kubernetes describe the same topology.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import sys
 from dataclasses import dataclass, field
 
+import yaml
+
 from tandem.engines.args import EngineArgs
 from tandem.runtime import config as config_lib
+
+
+@dataclass(frozen=True)
+class DeploymentPool:
+    """A pool of workers the launcher starts and the router picks among."""
+
+    name: str = "decode"
+    #: decode, agg (aggregated grid pools) or prefill.
+    kind: str = "decode"
+    #: One worker per port.
+    ports: list[int] = field(default_factory=list)
+    #: The router's worker policy in this pool.
+    policy: str = "round_robin"
+    #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
+    #: a different --speedup-ratio for a faster pool.
+    worker_flags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -23,8 +42,16 @@ class Deployment:
     #: Frontend public gRPC Inference port.
     grpc_port: int = 8001
     router_port: int = 9100
-    #: One decode (aggregated) worker per port.
+    #: One decode (aggregated) worker per port, in one pool (used when `pools` is empty).
     decode_ports: list[int] = field(default_factory=lambda: [9200])
+    #: The router's policy for that pool.
+    router_policy: str = "round_robin"
+    #: Several pools (YAML only); replaces decode_ports / router_policy.
+    pools: list[DeploymentPool] = field(default_factory=list)
+    #: Dynamo global-router JSON with the SLA grid over `pools` (passed to the router).
+    grid_config: str = ""
+    #: Router's Prometheus /metrics port; 0: none.
+    router_metrics_port: int = 0
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
     #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
@@ -47,17 +74,38 @@ def _serve(stage: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", "serve", stage, *flags]
 
 
-def processes(d: Deployment) -> list[ServiceProcess]:
-    """The processes in start order (workers, router, frontend); stop in reverse."""
+def pools(d: Deployment) -> list[DeploymentPool]:
+    return d.pools or [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
+
+
+def router_config(d: Deployment) -> dict[str, object]:
+    """The router's YAML config for this topology (pools with worker addresses, grid)."""
+    config: dict[str, object] = {
+        "pools": [{"name": p.name, "kind": p.kind, "policy": p.policy,
+                   "workers": [f"{d.host}:{port}" for port in p.ports]} for p in pools(d)],
+        "block_size": d.engine_args.kv_block_size,
+        "metrics_port": d.router_metrics_port,
+    }
+    if d.grid_config:
+        config["grid_config"] = str(pathlib.Path(d.grid_config).resolve())
+    return config
+
+
+def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
+    """The processes in start order (workers, router, frontend); stop in reverse. The router's
+    config file is written into `workdir`."""
     common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level]
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
-    workers = [ServiceProcess(f"decode-{i}", f"{d.host}:{port}", _serve(
+    workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
         "decode", "--host", d.host, "--port", str(port), "--engine", d.engine, *model, *common,
-        *engine_flags)) for i, port in enumerate(d.decode_ports)]
+        *engine_flags, *pool.worker_flags))
+        for pool in pools(d) for i, port in enumerate(pool.ports)]
+    router_file = workdir / "router.yaml"
+    router_file.write_text(yaml.safe_dump(router_config(d)))
     router = ServiceProcess("router", f"{d.host}:{d.router_port}", _serve(
-        "router", "--host", d.host, "--port", str(d.router_port), "--decode-workers",
-        *(f"{d.host}:{p}" for p in d.decode_ports), *common))
+        "router", "--host", d.host, "--port", str(d.router_port), "--config", str(router_file),
+        *common))
     frontend_flags = ["--model", d.engine_args.model] if d.engine_args.model else []
     if d.engine_args.max_seq_len:
         frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]

@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes, with_model
@@ -85,7 +87,8 @@ async def run(d: Deployment) -> int:
     model_dir = d.engine_args.model or str(ensure_demo_model())
     d = with_model(d, model_dir)
     name = d.served_model_name or pathlib.Path(model_dir).name
-    topology = Topology(processes(d))
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
+    topology = Topology(processes(d, workdir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -107,6 +110,7 @@ async def run(d: Deployment) -> int:
         code = 1
     finally:
         await topology.stop(d.grace_period_s)
+        shutil.rmtree(workdir, ignore_errors=True)
     return code
 
 

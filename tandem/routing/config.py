@@ -45,6 +45,8 @@ class RouterConfig:
     typical_osl: int = 1024
     #: Seconds between DNS re-resolutions of `dns` pools.
     dns_refresh_s: float = 10.0
+    #: Port of the Prometheus /metrics endpoint; 0: none.
+    metrics_port: int = 0
     grace_period_s: float = 30.0
     log_level: str = "info"
 

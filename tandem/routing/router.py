@@ -73,6 +73,8 @@ class Router:
                                                     block_size=block_size)
             self.pools.append(pool)
         self.in_flight = InFlight()
+        #: request id -> (worker, prefill blocks, decode blocks, its report count at hand-out)
+        self._handed: dict[str, tuple[WorkerState, int, int, int]] = {}
         self._by_kind = {kind: [p for p in self.pools if p.config.kind == kind]
                          for kind in POOL_KINDS}
         if grid is not None:
@@ -136,10 +138,16 @@ class Router:
                               + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""))
         pick, overlap = ordered[0]
         new_blocks = max(len(hashes), math.ceil(info.isl / self.block_size))
-        pick.hand_out(max(new_blocks - overlap, 0), new_blocks)
+        prefill_blocks = max(new_blocks - overlap, 0)
+        pick.hand_out(prefill_blocks, new_blocks)
         self.in_flight.add(info.request_id, pick.ref)
+        self._handed[info.request_id] = (pick, prefill_blocks, new_blocks, pick.num_reports)
         return RouteDecision(decode_workers=tuple(w.ref for w, _ in ordered),
                              overlap_blocks=overlap)
 
     def complete(self, request_id: str) -> bool:
+        handed = self._handed.pop(request_id, None)
+        if handed is not None:
+            worker, prefill_blocks, decode_blocks, reports_then = handed
+            worker.take_back(prefill_blocks, decode_blocks, reports_then)
         return self.in_flight.remove(request_id)

@@ -55,6 +55,8 @@ class WorkerState:
     pending_prefill_blocks: int = 0
     pending_decode_blocks: int = 0
     pending_requests: int = 0
+    #: Load reports received so far (tells whether a report has covered a hand-out).
+    num_reports: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -83,6 +85,22 @@ class WorkerState:
         self.reported_decode_blocks = decode_blocks
         self.reported_requests = requests
         self.pending_prefill_blocks = self.pending_decode_blocks = self.pending_requests = 0
+        self.num_reports += 1
+
+    def take_back(self, prefill_blocks: int, decode_blocks: int, reports_then: int) -> None:
+        """A request handed out when `num_reports` was `reports_then` completed: take its load
+        out of the estimate now rather than wait for the next report (reports come only when
+        load changes, at most every load interval). If no report came since the hand-out, the
+        load is in the pending part; otherwise a report counted it. The next report corrects
+        whatever this gets wrong."""
+        if self.num_reports == reports_then:
+            self.pending_prefill_blocks = max(self.pending_prefill_blocks - prefill_blocks, 0)
+            self.pending_decode_blocks = max(self.pending_decode_blocks - decode_blocks, 0)
+            self.pending_requests = max(self.pending_requests - 1, 0)
+        else:
+            self.reported_prefill_blocks = max(self.reported_prefill_blocks - prefill_blocks, 0)
+            self.reported_decode_blocks = max(self.reported_decode_blocks - decode_blocks, 0)
+            self.reported_requests = max(self.reported_requests - 1, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,11 @@ import pathlib
 from dataclasses import dataclass, field
 
 import pytest
+import yaml
 
 from tandem.errors import InvalidRequest
 from tandem.launcher.deployment import Deployment, processes
+from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.worker_config import WorkerConfig
 
@@ -53,19 +55,45 @@ def test_to_argv_round_trips_non_defaults() -> None:
     assert again == config
 
 
-def test_shipped_deployment_file_loads_and_wires_the_topology() -> None:
+def _router_yaml(argv: list[str]) -> dict:
+    return yaml.safe_load(pathlib.Path(argv[argv.index("--config") + 1]).read_text())
+
+
+def test_shipped_deployment_file_loads_and_wires_the_topology(tmp_path: pathlib.Path) -> None:
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml"),
                                      "--decode-ports", "9300", "9301"], prog="t")
-    procs = processes(d)
+    procs = processes(d, tmp_path)
     assert [p.name for p in procs] == ["decode-0", "decode-1", "router", "frontend"]
-    router = procs[2].argv
-    at = router.index("--decode-workers")
-    assert router[at + 1:at + 3] == ["127.0.0.1:9300", "127.0.0.1:9301"]
+    routed = _router_yaml(procs[2].argv)
+    assert routed["pools"] == [{"name": "decode", "kind": "decode", "policy": "round_robin",
+                                "workers": ["127.0.0.1:9300", "127.0.0.1:9301"]}]
+    assert config_lib.build(RouterConfig, routed).resolved_pools()[0].workers == [
+        "127.0.0.1:9300", "127.0.0.1:9301"]
     frontend = procs[3].argv
     assert frontend[frontend.index("--router-address") + 1] == "127.0.0.1:9100"
     assert all("--speedup-ratio" not in p.argv for p in procs[:2])  # 1.0 is the default
     decode = procs[0].argv
     assert decode[decode.index("--engine") + 1] == "reference"
+
+
+def test_multi_pool_deployment(tmp_path: pathlib.Path) -> None:
+    grid = tmp_path / "grid.json"
+    grid.write_text("{}")
+    spec = tmp_path / "deploy.yaml"
+    spec.write_text(
+        "engine: mock\n"
+        f"grid_config: {grid}\n"
+        "pools:\n"
+        "  - {name: fast, kind: agg, ports: [9400], policy: kv, worker_flags: [--speedup-ratio, '0']}\n"
+        "  - {name: slow, kind: agg, ports: [9401, 9402]}\n")
+    procs = processes(config_lib.load(Deployment, ["--config", str(spec)], prog="t"), tmp_path)
+    assert [p.name for p in procs] == ["fast-0", "slow-0", "slow-1", "router", "frontend"]
+    assert procs[0].argv[-2:] == ["--speedup-ratio", "0"]
+    routed = _router_yaml(procs[3].argv)
+    assert [(p["name"], p["kind"], p["policy"], p["workers"]) for p in routed["pools"]] == [
+        ("fast", "agg", "kv", ["127.0.0.1:9400"]),
+        ("slow", "agg", "round_robin", ["127.0.0.1:9401", "127.0.0.1:9402"])]
+    assert routed["grid_config"] == str(grid.resolve())
 
 
 def test_shipped_deployment_file_is_the_defaults_written_out() -> None:

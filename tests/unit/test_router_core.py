@@ -95,3 +95,18 @@ def test_kv_policy_prefers_the_worker_holding_the_prefix() -> None:
     assert decision.overlap_blocks == 8
     # The hand-out counts at once: the holder now carries the new request's load.
     assert router.pools[0].workers[holder].pending_requests == 1
+
+
+def test_complete_takes_back_a_hand_out_no_report_covered() -> None:
+    router = one_pool("least_loaded")
+    decision = router.route(info("short"))
+    worker = router.pools[0].workers[decision.decode_workers[0].worker_id]
+    assert worker.active_requests == 1
+    router.complete("short")  # finished before any load report: the estimate drops at once
+    assert worker.active_requests == 0 and worker.active_decode_blocks == 0
+    router.route(info("long"))
+    worker2 = [w for w in router.pools[0].workers.values() if w.pending_requests][0]
+    worker2.report(0, 1, 1)  # the worker reported it (1 block): the report carries its load
+    router.complete("long")
+    assert worker2.active_requests == 0  # taken out of the report until the next one
+    assert worker2.active_decode_blocks == 0
