@@ -82,9 +82,11 @@ def _read_ready_line(proc: subprocess.Popen[str]) -> str:
     return result[0]
 
 
-def start_worker(*extra: str, engine: str = "mock") -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(*extra: str, engine: str = "mock",
+                 port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Runs one `tandem serve decode` worker and waits until its health says SERVING."""
-    (port,) = free_ports(1)
+    if port is None:
+        (port,) = free_ports(1)
     proc = subprocess.Popen(tandem_cmd("serve", "decode", "--port", str(port), "--engine",
                                        engine, *extra), cwd=ROOT)
     address = f"127.0.0.1:{port}"
