@@ -20,7 +20,6 @@ from tandem.routing.grid import GridConfig
 from tandem.routing.policies import WorkerPolicy, create_policy
 from tandem.routing.prefix_index import PrefixIndex
 from tandem.routing.workers import (
-    InFlight,
     RouteContext,
     RouteDecision,
     SlaHints,
@@ -72,7 +71,6 @@ class Router:
                 pool.workers[address] = WorkerState(WorkerRef(address, address, cfg.name),
                                                     block_size=block_size)
             self.pools.append(pool)
-        self.in_flight = InFlight()
         #: request id -> (worker, prefill blocks, decode blocks, its report count at hand-out)
         self._handed: dict[str, tuple[WorkerState, int, int, int]] = {}
         self._by_kind = {kind: [p for p in self.pools if p.config.kind == kind]
@@ -139,15 +137,24 @@ class Router:
         pick, overlap = ordered[0]
         new_blocks = max(len(hashes), math.ceil(info.isl / self.block_size))
         prefill_blocks = max(new_blocks - overlap, 0)
+        self._release(info.request_id)  # a re-routed request is counted once
         pick.hand_out(prefill_blocks, new_blocks)
-        self.in_flight.add(info.request_id, pick.ref)
         self._handed[info.request_id] = (pick, prefill_blocks, new_blocks, pick.num_reports)
         return RouteDecision(decode_workers=tuple(w.ref for w, _ in ordered),
                              overlap_blocks=overlap)
 
     def complete(self, request_id: str) -> bool:
+        """Releases a routed request's load; False for an unknown (or already completed) id."""
+        return self._release(request_id)
+
+    def _release(self, request_id: str) -> bool:
         handed = self._handed.pop(request_id, None)
-        if handed is not None:
-            worker, prefill_blocks, decode_blocks, reports_then = handed
-            worker.take_back(prefill_blocks, decode_blocks, reports_then)
-        return self.in_flight.remove(request_id)
+        if handed is None:
+            return False
+        worker, prefill_blocks, decode_blocks, reports_then = handed
+        worker.take_back(prefill_blocks, decode_blocks, reports_then)
+        return True
+
+    def in_flight(self, worker_id: str) -> int:
+        """Requests routed to `worker_id` and not completed yet."""
+        return sum(1 for w, *_ in self._handed.values() if w.worker_id == worker_id)
