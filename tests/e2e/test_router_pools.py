@@ -143,3 +143,30 @@ def test_kv_policy_still_spreads_a_shared_system_prompt(kv_topology: Topology) -
         served = collections.Counter(pool.map(user, range(48)))
     assert len(served) == 4, served  # every worker took some
     assert max(served.values()) <= 48 * 0.5, served  # nobody got (nearly) everything
+
+
+def test_a_dead_pool_retries_on_the_faster_pool(tmp_path: pathlib.Path) -> None:
+    import os
+    import signal
+
+    from tests.e2e.test_launcher import children_of
+
+    fast, slow = free_ports(2)
+    grid = {**GRID, "enable_priority_retry": True}
+    spec = write_deployment(tmp_path, [{"name": "fast", "kind": "agg", "ports": [fast]},
+                                       {"name": "slow", "kind": "agg", "ports": [slow]}], grid)
+    topo = start_topology("--config", str(spec), "--speedup-ratio", "0")
+    try:
+        relaxed = {"x-slo-ttft-ms": "900"}
+        headers, _ = completion(topo, list(range(10, 60)), relaxed)
+        assert headers["x-tandem-pool"] == "slow"
+        for pid in children_of(topo.process.pid):
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if str(slow).encode() in cmdline and b"decode" in cmdline:
+                os.kill(pid, signal.SIGKILL)
+        for n in range(3):  # nothing had streamed: each goes to the faster pool instead
+            headers, reply = completion(topo, list(range(10 + n, 60 + n)), relaxed)
+            assert headers["x-tandem-pool"] == "fast"
+            assert reply["usage"]["completion_tokens"] == 4
+    finally:
+        topo.stop()
