@@ -19,8 +19,11 @@ class PoolConfig:
     dns: str = ""
     #: round_robin, random, least_loaded, power_of_two or kv.
     policy: str = "round_robin"
-    #: kv policy: weight of prefill work against decode load.
-    prefill_load_scale: float = 1.0
+    #: kv policy: weight of prefill work against decode load. 2 rather than the formula's
+    #: neutral 1: with 1, a worker already holding a long prefix loses it to an idle cold
+    #: worker as soon as it carries one more request, and prefix-heavy traffic then misses its
+    #: cache half the time (benchmarks/RESULTS.md, "Router: prefix-heavy workload").
+    prefill_load_scale: float = 2.0
     #: kv policy: 0 picks the cheapest; > 0 samples by softmax over -cost / temperature.
     temperature: float = 0.0
 
