@@ -165,9 +165,10 @@ class Topology:
         # "kv:2" is the kv policy with prefill_load_scale 2 (a pool option of the router config).
         name, _, scale = self.policy.partition(":")
         pool = {"name": "decode", "kind": "decode", "workers": self.worker_addresses,
-                "policy": name,
-                "prefill_load_scale": float(scale) if scale else a.prefill_load_scale,
-                "temperature": a.temperature}
+                "policy": name, "temperature": a.temperature}
+        # Without kv:S or --prefill-load-scale the router's own default applies.
+        if scale or a.prefill_load_scale is not None:
+            pool["prefill_load_scale"] = float(scale) if scale else a.prefill_load_scale
         config.write_text(json.dumps({"block_size": a.router_block_size or a.block_size,
                                       "pools": [pool]}, indent=1))  # JSON is YAML
         self._spawn("router", ["serve", "router", "--config", str(config),
@@ -382,7 +383,8 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=1024,
                    help="KV pool per worker, blocks (--num-gpu-blocks-override)")
     p.add_argument("--max-seq-len", type=int, default=16384)
-    p.add_argument("--prefill-load-scale", type=float, default=1.0, help="kv pool option")
+    p.add_argument("--prefill-load-scale", type=float, default=None,
+                   help="kv pool option (default: the router's)")
     p.add_argument("--temperature", type=float, default=0.0, help="kv pool option")
     p.add_argument("--load-interval-ms", type=int, default=100,
                    help="workers' load report interval (the router's load correction)")
