@@ -228,3 +228,10 @@ async def test_logprobs_agree_with_transformers(model_dirs: dict[str, pathlib.Pa
         assert [a.token_id for a in lp.top] == best.indices.tolist()
         for alt, value in zip(lp.top, best.values.tolist()):
             assert abs(alt.logprob - value) < LOGPROB_ATOL
+
+
+def test_max_seq_len_beyond_the_model_is_refused(model_dirs: dict[str, pathlib.Path]) -> None:
+    from tandem.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="max_position_embeddings"):
+        engine_for(model_dirs["llama"], max_seq_len=10**6)

@@ -144,6 +144,11 @@ def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
         raise InvalidRequest(f"load_format must be auto or dummy, got '{args.load_format}'",
                              param="load_format")
     config = ModelConfig.from_dir(args.model)
+    if args.max_seq_len > config.max_position_embeddings:
+        # Positions index the RoPE table without a bounds check (that would sync the host).
+        raise InvalidRequest(
+            f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})", param="max_seq_len")
     device = _device(args.device)
     dtype = _dtype(args.dtype, config.dtype, device)
     model, spec = load_model(args.model, dtype, device, args.load_format, args.seed)
