@@ -235,3 +235,21 @@ def test_max_seq_len_beyond_the_model_is_refused(model_dirs: dict[str, pathlib.P
 
     with pytest.raises(InvalidRequest, match="max_position_embeddings"):
         engine_for(model_dirs["llama"], max_seq_len=10**6)
+
+
+async def test_repetition_penalty_matches_transformers(model_dirs: dict[str, pathlib.Path]) -> None:
+    model_dir = model_dirs["llama"]
+    engine = engine_for(model_dir)
+    await engine.start()
+    try:
+        prompt = prompts(engine.vocab_size, [12], seed=11)[0]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, min_tokens=NEW_TOKENS,
+                                repetition_penalty=1.5)
+        (tokens, _), = await run(engine, [prompt], params)
+    finally:
+        await engine.close()
+    hf = _hf_model(str(model_dir))
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, repetition_penalty=1.5,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert tokens == out[0, len(prompt):].tolist()

@@ -22,7 +22,7 @@ from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
-from tandem.engines.reference.step_inputs import StepInputs, build_step_inputs
+from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.types import EngineRequest, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
 from tandem.model.config import ModelConfig
@@ -61,8 +61,9 @@ class ReferenceEngine(BatchingEngine):
         if not plan.scheduled:
             return []
         inputs = build_step_inputs(plan, self.pool.block_size, self.device)
-        samples = [SampleInput(req.sampling, req.token_ids[:req.num_prompt],
-                               req.token_ids[req.num_prompt:], req.stop_ids, req.key)
+        samples = [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
+                               TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
+                               req.stop_ids, req.key)
                    for req in plan.ready]
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]

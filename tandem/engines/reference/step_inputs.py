@@ -2,13 +2,46 @@
 metadata over the paged KV cache, and which rows of the output to sample."""
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import AttentionMetadata
+
+
+class TokenSpan(Sequence[int]):
+    """A read-only window of a request's token list, so that building a step costs nothing per
+    context token (the sampler reads only the length unless penalties need the tokens). Stable
+    while the step runs: tokens are appended only on the event loop, after the step."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._tokens[self._start:self._stop][index]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self._tokens[self._start + index % len(self)]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._stop)
 
 
 @dataclass
