@@ -87,7 +87,7 @@ async def serve(config: RouterConfig) -> None:
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
                           ["tandem.v1.Router"])
     metrics = RouterMetrics()
-    metrics.watch_index(lambda: {w.worker_id: (len(router.index.blocks_of(w.worker_id)),
+    metrics.watch_index(lambda: {w.worker_id: (router.index.num_blocks_of(w.worker_id),
                                                w.active_requests)
                                  for w in router.all_workers()})
     if config.metrics_port:

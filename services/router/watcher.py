@@ -24,6 +24,8 @@ from tandem.v1 import kv_events_pb2_grpc
 
 log = logging.getLogger(__name__)
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0)
+KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+             ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class SequenceGap(Exception):
@@ -36,7 +38,9 @@ class WorkerWatcher:
         self.state = state
         self.index = index
         self.on_change = on_change
-        self.channel = grpc.aio.insecure_channel(state.ref.address)
+        # Keepalive pings detect a peer that vanished without closing the connection (a lost
+        # node): both streams are otherwise silent while nothing changes.
+        self.channel = grpc.aio.insecure_channel(state.ref.address, options=KEEPALIVE)
         self.serving = False
         self.streaming = False
         self.epoch: int | None = None
@@ -81,6 +85,8 @@ class WorkerWatcher:
                     self._update()
             except grpc.aio.AioRpcError:
                 pass
+            except Exception:  # never let the watch die: the worker would stay a candidate
+                log.exception("health watch failed", extra={"worker": self.state.worker_id})
             self.serving = False
             self._update()
             await self._retry(attempt)
@@ -105,6 +111,9 @@ class WorkerWatcher:
             except (grpc.aio.AioRpcError, SequenceGap) as exc:
                 log.info("event stream broke", extra={"worker": self.state.worker_id,
                                                       "error": str(exc)})
+            except Exception:  # a bad message: start over from a snapshot rather than stop
+                log.exception("event stream failed", extra={"worker": self.state.worker_id})
+                self.last_sequence = self.epoch = None
             self.streaming = False
             self._update()
             await self._retry(attempt)

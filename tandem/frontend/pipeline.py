@@ -80,6 +80,9 @@ class DecodePort(Protocol):
                  timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]: ...
 
 
+#: Workers a request may be refused by before it fails (each refusal re-asks the router).
+MAX_FALLBACKS = 3
+
 DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]
 
 
@@ -99,7 +102,7 @@ class Pipeline:
             decision = await self.router.route(req.request_id, req.prompt_token_ids,
                                                req.sampling.max_tokens, req.sla,
                                                timeout_s=req.remaining_s())
-            async with aclosing(self._stream(req, decision.decode_workers)) as deltas:
+            async with aclosing(self._stream(req, decision)) as deltas:
                 async for delta in deltas:
                     produced += len(delta.token_ids)
                     yield delta
@@ -111,11 +114,16 @@ class Pipeline:
             self.router.report_completion(req.request_id, outcome, produced)
 
     async def _stream(self, req: GenerationRequest,
-                      workers: tuple[WorkerRef, ...]) -> AsyncGenerator[Delta, None]:
-        if not workers:
-            raise Unavailable("router returned no decode worker")
-        started = False
-        for index, worker in enumerate(workers):
+                      decision: RouteDecision) -> AsyncGenerator[Delta, None]:
+        """Streams from the router's pick. A worker that refuses before anything streamed
+        (unavailable, overloaded) is excluded and the router asked again, so that the request's
+        load moves to the worker that really serves it."""
+        refused: list[str] = []
+        while True:
+            if not decision.decode_workers:
+                raise Unavailable("router returned no decode worker")
+            worker = decision.decode_workers[0]
+            started = False
             try:
                 async with aclosing(self._from_worker(req, worker)) as deltas:
                     async for delta in deltas:
@@ -123,11 +131,21 @@ class Pipeline:
                         yield delta
                 return
             except (Unavailable, Overloaded) as exc:
-                # Nothing reached the client yet: the next fallback can serve it unseen.
-                if started or index == len(workers) - 1:
+                if started or len(refused) >= MAX_FALLBACKS:
                     raise
-                log.warning("decode worker refused the request, trying the next",
+                refused.append(worker.worker_id)
+                refusal = exc
+                log.warning("decode worker refused the request, asking the router again",
                             extra={"worker": worker.worker_id, "error": exc.message})
+            try:
+                decision = await self.router.route(req.request_id, req.prompt_token_ids,
+                                                   req.sampling.max_tokens, req.sla,
+                                                   exclude_ids=tuple(refused),
+                                                   timeout_s=req.remaining_s())
+            except Unavailable:
+                # Nobody else can take it: the client hears the refusal itself (an overloaded
+                # deployment answers 429 with Retry-After, not 503).
+                raise refusal from None
 
     async def _from_worker(self, req: GenerationRequest,
                            worker: WorkerRef) -> AsyncGenerator[Delta, None]:

@@ -29,6 +29,8 @@ class Resync:
 
 
 Message = Batch | Resync | EngineStats
+#: An unchanged load is re-sent after this many load intervals (1 s at the default 100 ms).
+HEARTBEAT_INTERVALS = 10
 
 
 def _resync(log: EventLog) -> tuple[int, Resync]:
@@ -53,7 +55,8 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
     """Yields the subscriber's messages until `is_closing()` (checked each load interval).
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
-    `load_interval_s`.
+    `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
+    that a subscriber's estimate built between reports never drifts for long.
     """
     if start_sequence is None or (epoch is not None and epoch != log.epoch):
         last, first = _resync(log)
@@ -76,6 +79,6 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         now = time.monotonic()
         if now - sent_at >= load_interval_s:
             load = stats()
-            if load != sent_load:
+            if load != sent_load or now - sent_at >= HEARTBEAT_INTERVALS * load_interval_s:
                 sent_load, sent_at = load, now
                 yield load

@@ -98,7 +98,7 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
-        "decode", "--host", d.host, "--port", str(port), "--engine", d.engine, *model, *common,
+        "prefill" if pool.kind == "prefill" else "decode", "--host", d.host, "--port", str(port), "--engine", d.engine, *model, *common,
         *engine_flags, *pool.worker_flags))
         for pool in pools(d) for i, port in enumerate(pool.ports)]
     router_file = workdir / "router.yaml"

@@ -118,6 +118,9 @@ class PrefixIndex:
             self._record(active, depth, result)
         return result
 
+    def num_blocks_of(self, worker_id: str) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
     def blocks_of(self, worker_id: str) -> set[int]:
         """A copy of the block hashes `worker_id` holds (empty for an unknown worker)."""
         return set(self._blocks.get(worker_id, ()))

@@ -9,6 +9,7 @@ streamed to the client.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from tandem.routing.workers import (
     WorkerRef,
     WorkerState,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,18 +80,29 @@ class Router:
                          for kind in POOL_KINDS}
         if grid is not None:
             self._check_grid(grid)
+        if self._by_kind["prefill"]:
+            log.warning("prefill pools are validated but get no traffic until disaggregated "
+                        "serving exists; requests are served by decode/agg pools",
+                        extra={"pools": [p.name for p in self._by_kind["prefill"]]})
 
     def _check_grid(self, grid: GridConfig) -> None:
         sets = ({"agg": grid.agg} if grid.mode == "agg"
                 else {"prefill": grid.prefill, "decode": grid.decode})
         for kind, pool_set in sets.items():
-            have = len(self._by_kind[kind])
-            if pool_set is not None and pool_set.num_pools != have:
+            have = [p.name for p in self._by_kind[kind]]
+            if pool_set is not None and pool_set.num_pools != len(have):
                 raise InvalidRequest(f"the grid config has {pool_set.num_pools} {kind} pools but "
-                                     f"the router config lists {have}", param="pools")
+                                     f"the router config lists {len(have)}", param="pools")
+            # The grid maps pool indices; when it also names them, the names must agree with
+            # the router's order, or requests would silently land in the wrong pool.
+            if pool_set is not None and pool_set.names and list(pool_set.names) != have:
+                raise InvalidRequest(f"the grid names its {kind} pools {list(pool_set.names)} "
+                                     f"but the router lists {have} (same names, same order)",
+                                     param="pools")
 
     def all_workers(self) -> list[WorkerState]:
-        return [w for pool in self.pools for w in pool.workers.values()]
+        # list() of dict values is atomic under the GIL: the metrics thread may call this.
+        return [w for pool in list(self.pools) for w in list(pool.workers.values())]
 
     def set_pool_workers(self, pool_name: str, addresses: Sequence[str]) -> list[WorkerState]:
         """Membership change (DNS): returns the workers added; removed ones leave the index."""

@@ -54,7 +54,10 @@ class GrpcService:
         self.service_names = list(service_names)
         limits = [("grpc.max_send_message_length", options.max_message_bytes),
                   ("grpc.max_receive_message_length", options.max_message_bytes),
-                  ("grpc.so_reuseport", 0)]
+                  ("grpc.so_reuseport", 0),
+                  # Let routers keep long-lived streams alive with pings (see the watcher).
+                  ("grpc.keepalive_permit_without_calls", 1),
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=limits)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -110,3 +110,12 @@ def test_complete_takes_back_a_hand_out_no_report_covered() -> None:
     router.complete("long")
     assert worker2.active_requests == 0  # taken out of the report until the next one
     assert worker2.active_decode_blocks == 0
+
+
+def test_grid_pool_names_must_match_the_router_order() -> None:
+    named = {**AGG_GRID, "agg_pool_dynamo_namespaces": ["slow", "fast"]}
+    pools = [PoolConfig("fast", "agg", [ADDRS[0]]), PoolConfig("slow", "agg", [ADDRS[1]])]
+    with pytest.raises(InvalidRequest, match="same names, same order"):
+        Router(pools, load_grid_config(named), 4, 1024)
+    ok = {**AGG_GRID, "agg_pool_dynamo_namespaces": ["fast", "slow"]}
+    assert [p.name for p in Router(pools, load_grid_config(ok), 4, 1024).pools] == ["fast", "slow"]

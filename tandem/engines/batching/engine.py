@@ -191,7 +191,10 @@ class BatchingEngine(Engine):
             self.abort(request_id)
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
+            # Let the step in flight finish (a forward pass in a worker thread cannot be
+            # cancelled: it would go on writing the KV cache after close returned); the loop
+            # sees _closed and ends.
+            self._wakeup.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._publish(self.pool.take_events())
@@ -200,7 +203,7 @@ class BatchingEngine(Engine):
 
     async def _run(self) -> None:
         try:
-            while True:
+            while not self._closed:
                 if not self.scheduler.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()

@@ -70,7 +70,8 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         end = req.num_computed
         start = end - n
         k = req.sampling.prompt_logprobs
-        if k is not None and start < req.num_prompt - 1:
+        # num_output > 0: a recompute after preemption; the prompt logprobs were already sent.
+        if k is not None and start < req.num_prompt - 1 and req.num_output == 0:
             # Rows at positions start..stop-1 predict prompt tokens start+1..stop.
             stop = min(end, req.num_prompt - 1)
             prompt_spans.append((req, len(token_ids), start, stop - start, k))
