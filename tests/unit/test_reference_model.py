@@ -150,7 +150,8 @@ def test_decode_path_equals_per_sequence_path(families: dict[str, Family]) -> No
         results.append(run_step(bf16, cache, [(tokens, blocks, len(tokens) - 1)
                                               for tokens, blocks in seqs], decode=decode))
     assert results[0].dtype == torch.float32
-    torch.testing.assert_close(results[0], results[1], atol=0.05, rtol=0)
+    # 0.05 absolute plus two bf16 ulps (2**-7 relative): logits of 8-16 round in 0.0625 steps.
+    torch.testing.assert_close(results[0], results[1], atol=0.05, rtol=2 * 2**-7)
     # Argmax must agree wherever the top two logits are further apart than bf16 rounding;
     # exact ties flip between CPU builds (seen with torch 2.11 on the GPU machine's CPU).
     top2 = results[0].topk(2, dim=-1).values
