@@ -15,7 +15,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.engines.types import FinishReason, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tandem.errors import InvalidRequest
-from tandem.frontend import openai_protocol as proto
+from tandem.frontend import openai_request as oai_request
+from tandem.frontend import openai_response as oai_response
 
 httpx = pytest.importorskip("httpx2")  # the transport the installed openai client is built on
 
@@ -147,10 +148,10 @@ BAD: list[tuple[str, Any, dict[str, str], str | None, str]] = [
 
 @pytest.mark.parametrize(("kind", "body", "headers", "param", "words"), BAD)
 def test_bad_request_names_the_field(
-    kind: proto.Kind, body: Any, headers: dict[str, str], param: str | None, words: str
+    kind: oai_request.Kind, body: Any, headers: dict[str, str], param: str | None, words: str
 ) -> None:
     with pytest.raises(InvalidRequest) as info:
-        proto.parse_request(body, kind, headers)
+        oai_request.parse_request(body, kind, headers)
     assert info.value.param == param
     if param is not None:
         assert param in info.value.message
@@ -159,14 +160,14 @@ def test_bad_request_names_the_field(
 
 def test_unknown_kind_is_a_programming_error() -> None:
     with pytest.raises(ValueError):
-        proto.parse_request(CHAT, "embeddings", {})  # type: ignore[arg-type]
+        oai_request.parse_request(CHAT, "embeddings", {})  # type: ignore[arg-type]
 
 
 # --- good requests --------------------------------------------------------------------------------
 
 
 def test_minimal_chat_takes_the_defaults() -> None:
-    req = proto.parse_request(CHAT, "chat", {})
+    req = oai_request.parse_request(CHAT, "chat", {})
     assert req.kind == "chat" and req.model == "m"
     assert req.messages == ({"role": "user", "content": "hi"},)
     assert req.prompt is None and req.max_tokens is None and req.logprobs is None
@@ -187,7 +188,7 @@ def test_chat_messages_text_parts_roles_and_extra_fields() -> None:
         ],
         user="someone", logit_bias={}, frobnicate=True,
     )
-    assert proto.parse_request(body, "chat").messages == (
+    assert oai_request.parse_request(body, "chat").messages == (
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": "one\ntwo"},
         {"role": "assistant", "content": ""},
@@ -202,7 +203,7 @@ def test_chat_messages_text_parts_roles_and_extra_fields() -> None:
     ({"max_completion_tokens": None, "max_tokens": 7}, 7),
 ])
 def test_chat_max_tokens_precedence(fields: dict[str, Any], expected: int) -> None:
-    assert proto.parse_request(chat(**fields), "chat").max_tokens == expected
+    assert oai_request.parse_request(chat(**fields), "chat").max_tokens == expected
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
@@ -211,7 +212,7 @@ def test_chat_max_tokens_precedence(fields: dict[str, Any], expected: int) -> No
     ({"logprobs": True, "top_logprobs": 20}, 20),
 ])
 def test_chat_logprobs(fields: dict[str, Any], expected: int | None) -> None:
-    req = proto.parse_request(chat(**fields), "chat")
+    req = oai_request.parse_request(chat(**fields), "chat")
     assert req.logprobs == expected and req.sampling(1).top_logprobs == expected
 
 
@@ -219,17 +220,17 @@ def test_chat_logprobs(fields: dict[str, Any], expected: int | None) -> None:
     ("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], (1, 2, 3)), ([[4, 5]], (4, 5)),
 ])
 def test_completion_prompt(prompt: Any, expected: str | tuple[int, ...]) -> None:
-    req = proto.parse_request(comp(prompt=prompt, echo=False, n=1, logprobs=3), "completion")
+    req = oai_request.parse_request(comp(prompt=prompt, echo=False, n=1, logprobs=3), "completion")
     assert req.kind == "completion" and req.prompt == expected and req.logprobs == 3
     assert req.messages == ()
 
 
 def test_stream_and_usage() -> None:
-    req = proto.parse_request(chat(stream=True, stream_options={"include_usage": True}), "chat")
+    req = oai_request.parse_request(chat(stream=True, stream_options={"include_usage": True}), "chat")
     assert req.stream and req.include_usage
-    req = proto.parse_request(chat(stream=True, stream_options={}), "chat")
+    req = oai_request.parse_request(chat(stream=True, stream_options={}), "chat")
     assert req.stream and not req.include_usage
-    assert not proto.parse_request(chat(stream_options=None), "chat").include_usage
+    assert not oai_request.parse_request(chat(stream_options=None), "chat").include_usage
 
 
 def test_sampling_fields_and_vllm_extras() -> None:
@@ -239,7 +240,7 @@ def test_sampling_fields_and_vllm_extras() -> None:
         presence_penalty=1.5, repetition_penalty=1.1, min_tokens=3, ignore_eos=True,
         skip_special_tokens=False, logprobs=0,
     )
-    req = proto.parse_request(body, "completion")
+    req = oai_request.parse_request(body, "completion")
     assert isinstance(req.temperature, float) and req.stop == ("\n\n", "END")
     assert not req.skip_special_tokens
     assert req.sampling(50) == SamplingParams(
@@ -250,14 +251,14 @@ def test_sampling_fields_and_vllm_extras() -> None:
 
 
 def test_single_stop_string_and_top_k_minus_one() -> None:
-    req = proto.parse_request(chat(stop="###", top_k=-1), "chat")
+    req = oai_request.parse_request(chat(stop="###", top_k=-1), "chat")
     assert req.stop == ("###",) and req.top_k == 0 and req.sampling(1).top_k == 0
 
 
 def test_nvext_fields_apply_when_top_level_is_absent() -> None:
     nvext = {"ignore_eos": True, "top_k": 5, "min_tokens": 2, "repetition_penalty": 1.3,
              "router": {"ttft_target": 200, "itl_target": 25.5}, "annotations": ["x"]}
-    req = proto.parse_request(chat(nvext=nvext), "chat")
+    req = oai_request.parse_request(chat(nvext=nvext), "chat")
     assert (req.ignore_eos, req.top_k, req.min_tokens, req.repetition_penalty) == (True, 5, 2, 1.3)
     assert (req.ttft_target_ms, req.itl_target_ms) == (200.0, 25.5)
 
@@ -265,7 +266,7 @@ def test_nvext_fields_apply_when_top_level_is_absent() -> None:
 def test_top_level_wins_over_nvext() -> None:
     body = chat(ignore_eos=False, top_k=9, min_tokens=0, repetition_penalty=1.0,
                 nvext={"ignore_eos": True, "top_k": 5, "min_tokens": 2, "repetition_penalty": 1.3})
-    req = proto.parse_request(body, "chat")
+    req = oai_request.parse_request(body, "chat")
     assert (req.ignore_eos, req.top_k, req.min_tokens, req.repetition_penalty) == (False, 9, 0, 1.0)
 
 
@@ -276,17 +277,17 @@ def test_top_level_wins_over_nvext() -> None:
     ({"nvext": {}}, None),
 ])
 def test_greed_sampling(fields: dict[str, Any], expected: float | None) -> None:
-    req = proto.parse_request(chat(**fields), "chat")
+    req = oai_request.parse_request(chat(**fields), "chat")
     assert req.temperature == expected
     assert req.sampling(1).is_greedy == (expected == 0.0)
 
 
 def test_sla_headers_and_precedence() -> None:
     headers = {"X-SLO-TTFT-MS": "150", "x-slo-tpot-ms": "12.5", "x-other": "junk"}
-    req = proto.parse_request(CHAT, "chat", headers)
+    req = oai_request.parse_request(CHAT, "chat", headers)
     assert (req.ttft_target_ms, req.itl_target_ms) == (150.0, 12.5)
     body = chat(nvext={"router": {"ttft_target": 300}})
-    req = proto.parse_request(body, "chat", headers)
+    req = oai_request.parse_request(body, "chat", headers)
     assert (req.ttft_target_ms, req.itl_target_ms) == (300.0, 12.5)
 
 
@@ -307,29 +308,29 @@ def as_json(body: dict[str, Any]) -> str:
 
 
 def test_ids_and_created() -> None:
-    a, b = proto.new_completion_id("chat"), proto.new_completion_id("chat")
+    a, b = oai_response.new_completion_id("chat"), oai_response.new_completion_id("chat")
     assert a.startswith("chatcmpl-") and len(a) == len("chatcmpl-") + 32 and a != b
-    assert proto.new_completion_id("completion").startswith("cmpl-")
-    assert abs(proto.created_now() - time.time()) < 2
+    assert oai_response.new_completion_id("completion").startswith("cmpl-")
+    assert abs(oai_response.created_now() - time.time()) < 2
 
 
 def test_every_finish_reason_maps_to_an_openai_value() -> None:
-    assert set(proto.FINISH_REASONS) == set(FinishReason)
-    assert proto.FINISH_REASONS[FinishReason.STOP] == "stop"
-    assert proto.FINISH_REASONS[FinishReason.LENGTH] == "length"
-    assert proto.FINISH_REASONS[FinishReason.CANCELLED] == "stop"
+    assert set(oai_response.FINISH_REASONS) == set(FinishReason)
+    assert oai_response.FINISH_REASONS[FinishReason.STOP] == "stop"
+    assert oai_response.FINISH_REASONS[FinishReason.LENGTH] == "length"
+    assert oai_response.FINISH_REASONS[FinishReason.CANCELLED] == "stop"
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))
 def test_chat_completion_parses(reason: FinishReason) -> None:
-    logprobs = proto.chat_logprobs(LOGPROBS, VOCAB.__getitem__)
-    body = proto.chat_completion(CID, MODEL, CREATED, "Hello!", reason, USAGE, logprobs)
+    logprobs = oai_response.chat_logprobs(LOGPROBS, VOCAB.__getitem__)
+    body = oai_response.chat_completion(CID, MODEL, CREATED, "Hello!", reason, USAGE, logprobs)
     parsed = ChatCompletion.model_validate_json(as_json(body))
     choice = parsed.choices[0]
     assert (parsed.id, parsed.model, parsed.created, parsed.object) == (
         CID, MODEL, CREATED, "chat.completion")
     assert choice.message.role == "assistant" and choice.message.content == "Hello!"
-    assert choice.finish_reason == proto.FINISH_REASONS[reason]
+    assert choice.finish_reason == oai_response.FINISH_REASONS[reason]
     assert parsed.usage is not None and parsed.usage.total_tokens == 14
     assert parsed.usage.prompt_tokens_details.cached_tokens == 8  # type: ignore[union-attr]
     content = choice.logprobs.content  # type: ignore[union-attr]
@@ -342,11 +343,11 @@ def test_chat_completion_parses(reason: FinishReason) -> None:
 
 def test_chat_stream_chunks_parse() -> None:
     chunks = [
-        proto.chat_chunk_first(CID, MODEL, CREATED),
-        proto.chat_chunk(CID, MODEL, CREATED, "Hel"),
-        proto.chat_chunk(CID, MODEL, CREATED, "lo!", proto.chat_logprobs(LOGPROBS[1:], VOCAB.get)),
-        proto.chat_chunk_last(CID, MODEL, CREATED, FinishReason.LENGTH),
-        proto.chat_chunk_usage(CID, MODEL, CREATED, USAGE),
+        oai_response.chat_chunk_first(CID, MODEL, CREATED),
+        oai_response.chat_chunk(CID, MODEL, CREATED, "Hel"),
+        oai_response.chat_chunk(CID, MODEL, CREATED, "lo!", oai_response.chat_logprobs(LOGPROBS[1:], VOCAB.get)),
+        oai_response.chat_chunk_last(CID, MODEL, CREATED, FinishReason.LENGTH),
+        oai_response.chat_chunk_usage(CID, MODEL, CREATED, USAGE),
     ]
     parsed = [ChatCompletionChunk.model_validate_json(as_json(c)) for c in chunks]
     assert all(p.object == "chat.completion.chunk" and p.id == CID for p in parsed)
@@ -361,7 +362,7 @@ def test_chat_stream_chunks_parse() -> None:
 
 
 def test_completion_logprobs_shape_and_offsets() -> None:
-    body, offset = proto.completion_logprobs(LOGPROBS[:2], VOCAB.__getitem__, text_offset=4)
+    body, offset = oai_response.completion_logprobs(LOGPROBS[:2], VOCAB.__getitem__, text_offset=4)
     assert body == {
         "tokens": ["Hel", "lo"],
         "token_logprobs": [-0.1, -9999.0],
@@ -370,13 +371,13 @@ def test_completion_logprobs_shape_and_offsets() -> None:
         "text_offset": [4, 7],
     }
     assert offset == 9
-    body, _ = proto.completion_logprobs(LOGPROBS[2:], VOCAB.__getitem__, offset)
+    body, _ = oai_response.completion_logprobs(LOGPROBS[2:], VOCAB.__getitem__, offset)
     assert body["top_logprobs"] == [{"!": -0.7}] and body["text_offset"] == [9]
 
 
 def test_text_completion_and_chunks_parse() -> None:
-    logprobs, _ = proto.completion_logprobs(LOGPROBS, VOCAB.__getitem__)
-    body = proto.text_completion("cmpl-1", MODEL, CREATED, "Hello!", FinishReason.STOP, USAGE,
+    logprobs, _ = oai_response.completion_logprobs(LOGPROBS, VOCAB.__getitem__)
+    body = oai_response.text_completion("cmpl-1", MODEL, CREATED, "Hello!", FinishReason.STOP, USAGE,
                                  logprobs)
     parsed = Completion.model_validate_json(as_json(body))
     assert parsed.object == "text_completion" and parsed.choices[0].text == "Hello!"
@@ -384,10 +385,10 @@ def test_text_completion_and_chunks_parse() -> None:
     assert parsed.choices[0].logprobs.tokens == ["Hel", "lo", "!"]  # type: ignore[union-attr]
     assert parsed.usage.prompt_tokens_details.cached_tokens == 8  # type: ignore[union-attr]
     chunks = [
-        proto.completion_chunk("cmpl-1", MODEL, CREATED, "Hel"),
-        proto.completion_chunk("cmpl-1", MODEL, CREATED, "lo!", logprobs),
-        proto.completion_chunk("cmpl-1", MODEL, CREATED, "", None, FinishReason.LENGTH),
-        proto.completion_chunk_usage("cmpl-1", MODEL, CREATED, USAGE),
+        oai_response.completion_chunk("cmpl-1", MODEL, CREATED, "Hel"),
+        oai_response.completion_chunk("cmpl-1", MODEL, CREATED, "lo!", logprobs),
+        oai_response.completion_chunk("cmpl-1", MODEL, CREATED, "", None, FinishReason.LENGTH),
+        oai_response.completion_chunk_usage("cmpl-1", MODEL, CREATED, USAGE),
     ]
     # Mid-stream chunks carry finish_reason null, as OpenAI's and vLLM's do: the strict model
     # refuses null (the client parses stream chunks leniently; see the round trip below).
@@ -412,17 +413,17 @@ def client_for(handler: Any) -> openai.OpenAI:
 
 
 def test_official_client_chat_stream_round_trip() -> None:
-    seen: list[proto.ParsedRequest] = []
+    seen: list[oai_request.ParsedRequest] = []
 
     def handler(request: Any) -> Any:
-        req = proto.parse_request(json.loads(request.content), "chat", request.headers)
+        req = oai_request.parse_request(json.loads(request.content), "chat", request.headers)
         seen.append(req)
-        cid, created = proto.new_completion_id("chat"), proto.created_now()
-        chunks = [proto.chat_chunk_first(cid, req.model, created)]
-        chunks += [proto.chat_chunk(cid, req.model, created, t) for t in ("Hel", "lo", "!")]
-        chunks.append(proto.chat_chunk_last(cid, req.model, created, FinishReason.STOP))
+        cid, created = oai_response.new_completion_id("chat"), oai_response.created_now()
+        chunks = [oai_response.chat_chunk_first(cid, req.model, created)]
+        chunks += [oai_response.chat_chunk(cid, req.model, created, t) for t in ("Hel", "lo", "!")]
+        chunks.append(oai_response.chat_chunk_last(cid, req.model, created, FinishReason.STOP))
         if req.include_usage:
-            chunks.append(proto.chat_chunk_usage(cid, req.model, created, USAGE))
+            chunks.append(oai_response.chat_chunk_usage(cid, req.model, created, USAGE))
         return httpx.Response(200, content=sse(chunks),
                               headers={"content-type": "text/event-stream"})
 
@@ -443,10 +444,10 @@ def test_official_client_chat_stream_round_trip() -> None:
 
 def test_official_client_completion_round_trip() -> None:
     def handler(request: Any) -> Any:
-        req = proto.parse_request(json.loads(request.content), "completion", request.headers)
-        logprobs, _ = proto.completion_logprobs(LOGPROBS, VOCAB.__getitem__)
-        body = proto.text_completion(proto.new_completion_id("completion"), req.model,
-                                     proto.created_now(), "Hello!", FinishReason.LENGTH, USAGE,
+        req = oai_request.parse_request(json.loads(request.content), "completion", request.headers)
+        logprobs, _ = oai_response.completion_logprobs(LOGPROBS, VOCAB.__getitem__)
+        body = oai_response.text_completion(oai_response.new_completion_id("completion"), req.model,
+                                     oai_response.created_now(), "Hello!", FinishReason.LENGTH, USAGE,
                                      logprobs if req.logprobs is not None else None)
         return httpx.Response(200, json=body)
 
@@ -458,17 +459,17 @@ def test_official_client_completion_round_trip() -> None:
 
 def test_official_client_completion_stream_round_trip() -> None:
     def handler(request: Any) -> Any:
-        req = proto.parse_request(json.loads(request.content), "completion", request.headers)
-        cid, created, offset = proto.new_completion_id("completion"), proto.created_now(), 0
+        req = oai_request.parse_request(json.loads(request.content), "completion", request.headers)
+        cid, created, offset = oai_response.new_completion_id("completion"), oai_response.created_now(), 0
         chunks = []
         for lp in LOGPROBS:
-            logprobs, offset = proto.completion_logprobs([lp], VOCAB.__getitem__, offset)
-            chunks.append(proto.completion_chunk(cid, req.model, created, VOCAB[lp.token_id],
+            logprobs, offset = oai_response.completion_logprobs([lp], VOCAB.__getitem__, offset)
+            chunks.append(oai_response.completion_chunk(cid, req.model, created, VOCAB[lp.token_id],
                                                  logprobs))
-        chunks.append(proto.completion_chunk(cid, req.model, created, "", None,
+        chunks.append(oai_response.completion_chunk(cid, req.model, created, "", None,
                                              FinishReason.STOP))
         if req.include_usage:
-            chunks.append(proto.completion_chunk_usage(cid, req.model, created, USAGE))
+            chunks.append(oai_response.completion_chunk_usage(cid, req.model, created, USAGE))
         return httpx.Response(200, content=sse(chunks),
                               headers={"content-type": "text/event-stream"})
 
