@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.kv_events import KvEventsServicer
+from services.common.worker_stats import WorkerServicer
 from services.decode.servicer import DecodeServicer
 from services.encode.servicer import EncodeServicer
 from services.prefill.servicer import PrefillServicer
@@ -14,7 +15,13 @@ from tandem.runtime import config as config_lib
 from tandem.runtime import loop
 from tandem.runtime.worker import Worker, run_worker
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.v1 import decode_pb2_grpc, encode_pb2_grpc, kv_events_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import (
+    decode_pb2_grpc,
+    encode_pb2_grpc,
+    kv_events_pb2_grpc,
+    prefill_pb2_grpc,
+    worker_pb2_grpc,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,8 @@ def _decode(w: Worker) -> None:
 
 def _prefill(w: Worker) -> None:
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(w.engine, w.service.draining, w.config.kv_lease_ms), w.service.server)
+        PrefillServicer(w.engine, w.service.draining, w.config.kv_lease_ms, w.config.identity),
+        w.service.server)
 
 
 def _encode(w: Worker) -> None:
@@ -50,6 +58,8 @@ STAGES: dict[str, Stage] = {
 def _registration(stage: Stage) -> Callable[[Worker], None]:
     def register(worker: Worker) -> None:
         stage.register(worker)
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            WorkerServicer(worker.config.identity, worker.engine), worker.service.server)
         if worker.config.publish_kv_events:
             kv_events_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(
                 worker.config.identity, worker.engine, worker.event_log,

@@ -19,7 +19,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, loop
-from tandem.runtime.clients import DecodeClients, RouterClient
+from tandem.runtime.clients import DecodeClients, PrefillClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import inference_pb2_grpc
 
@@ -46,31 +46,37 @@ class FrontendConfig:
     request_timeout_s: float = 0.0
     #: Longest wait for the router's answer, seconds.
     router_timeout_s: float = 10.0
+    #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
+    #: not cached on the decode worker is at most this many tokens skip the prefill worker.
+    max_local_prefill_length: int = 0
     grace_period_s: float = 30.0
     log_level: str = "info"
 
 
-def build_frontend(config: FrontendConfig) -> tuple[Frontend, RouterClient, DecodeClients]:
+def build_frontend(config: FrontendConfig
+                   ) -> tuple[Frontend, RouterClient, DecodeClients, PrefillClients]:
     model_dir = pathlib.Path(config.model) if config.model else ensure_demo_model()
     model_config = ModelConfig.from_dir(model_dir)
     model = ModelInfo(config.served_model_name or model_dir.name,
                       config.max_seq_len or model_config.max_position_embeddings)
     tokenizer = Tokenizer.from_dir(model_dir)
-    router = RouterClient(config.router_address, timeout_s=config.router_timeout_s)
+    router = RouterClient(config.router_address, timeout_s=config.router_timeout_s,
+                          max_local_prefill_length=config.max_local_prefill_length)
     decode = DecodeClients()
+    prefill = PrefillClients()
     pipeline = Pipeline(router, decode,
                         lambda req: IncrementalDetokenizer(
                             tokenizer, req.prompt_token_ids, stop=req.stop,
                             skip_special_tokens=req.skip_special_tokens),
-                        FrontendMetrics(model.name))
+                        FrontendMetrics(model.name), prefill)
     frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None)
-    return frontend, router, decode
+    return frontend, router, decode, prefill
 
 
 async def serve(config: FrontendConfig) -> None:
     logs.setup("frontend", config.log_level)
     log.info("config", extra={"config": config_lib.as_dict(config)})
-    frontend, router, decode = build_frontend(config)
+    frontend, router, decode, prefill = build_frontend(config)
     grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s),
                                ["tandem.v1.Inference"])
     inference_pb2_grpc.add_InferenceServicer_to_server(
@@ -87,6 +93,7 @@ async def serve(config: FrontendConfig) -> None:
     async def close_clients() -> None:
         await router.close()  # flushes the last completion reports
         await decode.close()
+        await prefill.close()
 
     # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
     # period, while the gRPC API drains too.

@@ -1,6 +1,8 @@
 """Prefill servicer: protobuf in, engine prefill/release, protobuf out."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from tandem.engines.base import Engine
@@ -13,10 +15,13 @@ from tandem.v1 import prefill_pb2_grpc
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: Engine, draining: Draining, default_lease_ms: int) -> None:
+    def __init__(self, engine: Engine, draining: Draining, default_lease_ms: int,
+                 worker_id: str) -> None:
         self.engine = engine
         self.draining = draining
         self.default_lease_ms = default_lease_ms
+        #: Also the address decode workers call Release on (host:port).
+        self.worker_id = worker_id
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -24,6 +29,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise Unavailable("prefill worker is draining")
         if not request.token_ids:
             raise InvalidRequest("token_ids must not be empty", param="token_ids")
+        if not request.request_id:
+            raise InvalidRequest("request_id must not be empty (it names the lease)",
+                                 param="request_id")
         engine_req = EngineRequest(
             request_id=request.request_id, prompt_token_ids=tuple(request.token_ids),
             sampling=convert.sampling_from_pb(request.sampling, default_max_tokens=1),
@@ -34,7 +42,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                       cached_tokens=result.cached_tokens,
                                       finish_reason=convert.finish_to_pb(result.finish_reason))
         if result.kv_handle is not None:
-            response.kv_handle.CopyFrom(convert.kv_handle_to_pb(result.kv_handle))
+            handle = dataclasses.replace(result.kv_handle, worker_id=self.worker_id,
+                                         worker_address=self.worker_id)
+            response.kv_handle.CopyFrom(convert.kv_handle_to_pb(handle))
         return response
 
     async def Release(self, request: pb.ReleaseRequest,

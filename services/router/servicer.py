@@ -28,7 +28,8 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
         sla=SlaHints(sla.ttft_ms if sla.HasField("ttft_ms") else None,
                      sla.itl_ms if sla.HasField("itl_ms") else None,
                      request.priority if request.HasField("priority") else None),
-        exclude_ids=tuple(request.exclude_worker_ids))
+        exclude_ids=tuple(request.exclude_worker_ids),
+        max_local_prefill_length=request.max_local_prefill_length)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -37,7 +37,32 @@ class EngineArgs:
     enforce_eager: bool = False
     #: Mock engine: divide simulated step times by this; 0 or >= 1e6 means no delay.
     speedup_ratio: float = 1.0
+    #: Mock engine: simulated KV transfer bandwidth between workers, GB/s (0: instant).
+    mock_kv_transfer_gbps: float = 25.0
+    #: Disaggregated decode: what to do when reading a prefill worker's KV fails or its lease
+    #: expired: "recompute" (prefill locally) or "fail" (end the request with an error).
+    kv_load_failure_policy: str = "recompute"
+    #: Record a checksum of every leased and every received KV transfer (worker Stats RPC).
+    debug_kv_checksums: bool = False
     #: Reuse cached KV blocks across requests with the same prefix.
     enable_prefix_caching: bool = True
     #: Seed for engine-chosen randomness.
     seed: int = 0
+    # ---- TensorRT-LLM engine (flag names follow Dynamo's TensorRT-LLM worker) ----------------
+    #: TensorRT-LLM: GPUs per tensor-parallel group.
+    tensor_parallel_size: int = 1
+    #: TensorRT-LLM: pipeline-parallel stages.
+    pipeline_parallel_size: int = 1
+    #: TensorRT-LLM: expert-parallel size of MoE weights (moe_expert_parallel_size); 0: unset.
+    expert_parallel_size: int = 0
+    #: TensorRT-LLM: attention data parallelism (DeepSeek-style MoE models).
+    enable_attention_dp: bool = False
+    #: TensorRT-LLM: most beams per request.
+    max_beam_width: int = 1
+    #: TensorRT-LLM: a YAML file of LLM API options, the file `trtllm-serve
+    #: --extra_llm_api_options` takes; merged over the flags above, nested dicts deeply.
+    extra_engine_args: str = ""
+    #: TensorRT-LLM: a JSON object of LLM API options merged last (over the YAML file).
+    override_engine_args: str = ""
+    #: TensorRT-LLM: load only the multimodal encoder (MultimodalEncoder), for encode workers.
+    encode_only: bool = False

@@ -6,7 +6,7 @@ the one asyncio event loop of the worker process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -14,6 +14,7 @@ from tandem.engines.types import (
     EngineRequest,
     EngineStats,
     KvEvent,
+    KvHandle,
     KvLayout,
     PrefillResult,
 )
@@ -84,18 +85,20 @@ class Engine(ABC):
             self._event_sink(events)
 
     async def prefill(self, request: EngineRequest, lease_ms: int) -> PrefillResult:
-        """Runs the prompt only, keeps its blocks leased for `lease_ms`, returns a KV handle.
+        """Runs the prompt only and samples its first token. Unless the request finished on it
+        (finish_reason set, no handle), its blocks stay leased for `lease_ms` and the result
+        carries a KV handle (worker_id and worker_address left for the service to fill in).
+        Cancelling the call aborts the prompt, or frees the lease if it was already made.
 
         Raises:
-            Unimplemented: the backend (or this build) has no disaggregated prefill.
+            Unimplemented: the backend has no disaggregated prefill.
+            FailedPrecondition: the backend cannot move KV on this host (e.g. no NIXL).
         """
-        raise Unimplemented(
-            f"engine '{self.name}' has no prefill-only mode yet "
-            "(disaggregated prefill/decode is a later stage of Tandem)")
+        raise Unimplemented(f"engine '{self.name}' has no prefill-only mode")
 
     async def release(self, request_id: str) -> bool:
         """Frees a prefill lease early; False when no live lease has that id."""
-        raise Unimplemented(f"engine '{self.name}' holds no KV leases (no prefill-only mode yet)")
+        raise Unimplemented(f"engine '{self.name}' holds no KV leases")
 
     async def encode(self, images: Sequence[bytes]) -> list[Embedding]:
         """Runs the vision encoder over images.
@@ -106,6 +109,15 @@ class Engine(ABC):
         raise Unimplemented(
             f"engine '{self.name}' has no vision encoder (the encode stage is a later stage of "
             "Tandem)")
+
+    def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:  # noqa: B027
+        """How this engine tells a prefill worker it is done with a lease (Prefill.Release);
+        backends whose transfers free the peer's blocks themselves ignore it."""
+
+    def debug_checksums(self) -> Mapping[tuple[str, str], str]:
+        """(direction, request id) -> checksum of KV blocks leased or received, oldest first;
+        empty unless the engine records them (--debug-kv-checksums)."""
+        return {}
 
     @abstractmethod
     async def close(self) -> None:

@@ -207,3 +207,10 @@ class EngineStats:
     pending_prefill_tokens: int
     active_decode_blocks: int
     prefix_cache_hit_rate: float
+    #: Disaggregation: prefill leases held, requests whose KV is being read, and counters.
+    kv_leases: int = 0
+    num_loading: int = 0
+    kv_lease_expiries: int = 0
+    kv_bytes_received: int = 0
+    kv_transfers_ok: int = 0
+    kv_transfers_failed: int = 0

@@ -1,4 +1,5 @@
-"""The frontend's data path for one request: route -> stream tokens from a decode worker ->
+"""The frontend's data path for one request: route -> prefill on a prefill worker when the router
+disaggregates -> stream tokens from a decode worker (which reads the prefill worker's KV) ->
 detokenize (stop strings included) -> deltas for the client -> release the router's load.
 
 Backend- and transport-blind: the router and worker clients are injected (tandem.runtime.clients
@@ -17,6 +18,8 @@ from typing import Protocol
 from tandem.engines.types import (
     EngineRequest,
     FinishReason,
+    KvHandle,
+    PrefillResult,
     SamplingParams,
     TokenChunk,
     TokenLogprob,
@@ -80,6 +83,15 @@ class DecodePort(Protocol):
                  timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]: ...
 
 
+class PrefillPort(Protocol):
+    async def prefill(self, address: str, request: EngineRequest,
+                      timeout_s: float | None = None) -> PrefillResult: ...
+
+    def release(self, handle: KvHandle) -> None:
+        """Frees a lease in the background; never blocks the caller."""
+        ...
+
+
 #: Workers a request may be refused by before it fails (each refusal re-asks the router).
 MAX_FALLBACKS = 3
 
@@ -88,9 +100,11 @@ DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]
 
 class Pipeline:
     def __init__(self, router: RouterPort, decode: DecodePort,
-                 new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics) -> None:
+                 new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics,
+                 prefill: PrefillPort | None = None) -> None:
         self.router = router
         self.decode = decode
+        self.prefill = prefill
         self.new_detokenizer = new_detokenizer
         self.metrics = metrics
 
@@ -115,6 +129,57 @@ class Pipeline:
 
     async def _stream(self, req: GenerationRequest,
                       decision: RouteDecision) -> AsyncGenerator[Delta, None]:
+        """Prefills when the router disaggregates, then streams from the decode pick."""
+        start = time.perf_counter()
+        prefilled = await self._prefill(req, decision) if decision.disaggregate else None
+        if prefilled is not None and prefilled.kv_handle is None:
+            yield self._answered_by_prefill(req, prefilled, decision.prefill_workers[0])
+            return
+        started = False
+        try:
+            async with aclosing(self._decode(req, decision, prefilled, start)) as deltas:
+                async for delta in deltas:
+                    started = True
+                    yield delta
+        finally:
+            if prefilled is not None and prefilled.kv_handle is not None and not started:
+                # No decode worker took the KV: free it now rather than at lease expiry.
+                assert self.prefill is not None
+                self.prefill.release(prefilled.kv_handle)
+
+    async def _prefill(self, req: GenerationRequest,
+                       decision: RouteDecision) -> PrefillResult | None:
+        """The first token and KV handle from the first prefill worker that answers; None when
+        none can (the decode worker then prefills the prompt itself)."""
+        if self.prefill is None:
+            return None
+        engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
+        for worker in decision.prefill_workers:
+            try:
+                return await self.prefill.prefill(worker.address, engine_req, req.remaining_s())
+            except (Unavailable, Overloaded, UpstreamError) as exc:
+                log.warning("prefill worker failed, trying the next", extra={
+                    "worker": worker.worker_id, "error": exc.message})
+        log.warning("no prefill worker answered; serving the request aggregated",
+                    extra={"request_id": req.request_id})
+        return None
+
+    def _answered_by_prefill(self, req: GenerationRequest, prefilled: PrefillResult,
+                             worker: WorkerRef) -> Delta:
+        """The request finished on its first token (EOS, a stop token): no decode leg."""
+        detok = self.new_detokenizer(req)
+        token = prefilled.first_token
+        text = detok.add([token.token_id])
+        text += "" if detok.stopped else detok.finish()
+        kept = [token.token_id] if detok.num_tokens else []
+        logprobs = [token] if kept and req.sampling.top_logprobs is not None else []
+        finish = FinishReason.STOP if detok.stopped else prefilled.finish_reason
+        usage = Usage(len(req.prompt_token_ids), len(kept), prefilled.cached_tokens)
+        return Delta(text, kept, logprobs, finish, usage, worker)
+
+    async def _decode(self, req: GenerationRequest, decision: RouteDecision,
+                      prefilled: PrefillResult | None,
+                      start: float) -> AsyncGenerator[Delta, None]:
         """Streams from the router's pick. A worker that refuses before anything streamed
         (unavailable, overloaded) is excluded and the router asked again, so that the request's
         load moves to the worker that really serves it."""
@@ -125,7 +190,7 @@ class Pipeline:
             worker = decision.decode_workers[0]
             started = False
             try:
-                async with aclosing(self._from_worker(req, worker)) as deltas:
+                async with aclosing(self._from_worker(req, worker, prefilled, start)) as deltas:
                     async for delta in deltas:
                         started = True
                         yield delta
@@ -147,12 +212,19 @@ class Pipeline:
                 # deployment answers 429 with Retry-After, not 503).
                 raise refusal from None
 
-    async def _from_worker(self, req: GenerationRequest,
-                           worker: WorkerRef) -> AsyncGenerator[Delta, None]:
+    async def _from_worker(self, req: GenerationRequest, worker: WorkerRef,
+                           prefilled: PrefillResult | None,
+                           start: float) -> AsyncGenerator[Delta, None]:
         detok = self.new_detokenizer(req)
         engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
-        start = last = time.perf_counter()
-        emitted = cached = 0
+        if prefilled is not None:
+            engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling,
+                                       kv_handle=prefilled.kv_handle,
+                                       first_token=prefilled.first_token)
+        last = start
+        emitted = 0
+        # Disaggregated, the prefill worker's cache hits are the request's.
+        cached = prefilled.cached_tokens if prefilled is not None else 0
         chunks = self.decode.generate(worker.address, engine_req, req.remaining_s())
         try:
             async for chunk in chunks:
@@ -160,7 +232,7 @@ class Pipeline:
                 self.metrics.observe_chunk(now - start if emitted == 0 else None,
                                            now - last, len(chunk.token_ids))
                 last = now
-                if chunk.cached_tokens is not None:
+                if chunk.cached_tokens is not None and prefilled is None:
                     cached = chunk.cached_tokens
                 text = detok.add(chunk.token_ids)
                 if detok.stopped:
@@ -178,7 +250,8 @@ class Pipeline:
                     continue
                 if chunk.usage is None:
                     raise UpstreamError(f"decode worker {worker.address} finished without usage")
-                usage = Usage(chunk.usage.prompt_tokens, emitted, chunk.usage.cached_tokens)
+                usage = Usage(chunk.usage.prompt_tokens, emitted,
+                              cached if prefilled is not None else chunk.usage.cached_tokens)
                 yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
                             chunk.finish_reason, usage, worker)
                 return

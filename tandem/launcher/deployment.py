@@ -46,6 +46,13 @@ class Deployment:
     decode_ports: list[int] = field(default_factory=lambda: [9200])
     #: The router's policy for that pool.
     router_policy: str = "round_robin"
+    #: Disaggregated serving: also run one prefill worker per `prefill_ports` entry, in a
+    #: prefill pool; decode workers read the prompt's KV from them over NIXL.
+    disagg: bool = False
+    prefill_ports: list[int] = field(default_factory=lambda: [9300])
+    #: Frontend: prompts whose uncached part is at most this many tokens skip the prefill
+    #: worker (conditional disaggregation).
+    max_local_prefill_length: int = 0
     #: Several pools (YAML only); replaces decode_ports / router_policy.
     pools: list[DeploymentPool] = field(default_factory=list)
     #: Dynamo global-router JSON with the SLA grid over `pools` (passed to the router).
@@ -75,7 +82,19 @@ def _serve(stage: str, *flags: str) -> list[str]:
 
 
 def pools(d: Deployment) -> list[DeploymentPool]:
-    return d.pools or [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
+    if d.pools:
+        return d.pools
+    shorthand = [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
+    if d.disagg:
+        shorthand.append(DeploymentPool("prefill", "prefill", list(d.prefill_ports),
+                                        d.router_policy))
+    return shorthand
+
+
+def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
+    if pool.kind == "prefill":
+        return ["prefill"]
+    return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
 
 
 def router_config(d: Deployment) -> dict[str, object]:
@@ -97,9 +116,10 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level]
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
+    disaggregated = any(pool.kind == "prefill" for pool in pools(d))
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
-        "prefill" if pool.kind == "prefill" else "decode", "--host", d.host, "--port", str(port), "--engine", d.engine, *model, *common,
-        *engine_flags, *pool.worker_flags))
+        *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
+        "--engine", d.engine, *model, *common, *engine_flags, *pool.worker_flags))
         for pool in pools(d) for i, port in enumerate(pool.ports)]
     router_file = workdir / "router.yaml"
     router_file.write_text(yaml.safe_dump(router_config(d)))
@@ -111,6 +131,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]
     if d.request_timeout_s:
         frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
+    if d.max_local_prefill_length:
+        frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend = ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), "--router-address", f"{d.host}:{d.router_port}", *model,

@@ -51,6 +51,9 @@ class RouteRequestInfo:
     expected_osl: int
     sla: SlaHints
     exclude_ids: Sequence[str] = ()
+    #: With prefill pools: prompts whose part not cached on the decode pick is at most this
+    #: many tokens are prefilled by the decode worker itself (no KV transfer).
+    max_local_prefill_length: int = 0
 
 
 class Router:
@@ -74,16 +77,13 @@ class Router:
                 pool.workers[address] = WorkerState(WorkerRef(address, address, cfg.name),
                                                     block_size=block_size)
             self.pools.append(pool)
-        #: request id -> (worker, prefill blocks, decode blocks, its report count at hand-out)
-        self._handed: dict[str, tuple[WorkerState, int, int, int]] = {}
+        #: request id -> per worker handed: (worker, prefill blocks, decode blocks, its report
+        #: count at hand-out)
+        self._handed: dict[str, list[tuple[WorkerState, int, int, int]]] = {}
         self._by_kind = {kind: [p for p in self.pools if p.config.kind == kind]
                          for kind in POOL_KINDS}
         if grid is not None:
             self._check_grid(grid)
-        if self._by_kind["prefill"]:
-            log.warning("prefill pools are validated but get no traffic until disaggregated "
-                        "serving exists; requests are served by decode/agg pools",
-                        extra={"pools": [p.name for p in self._by_kind["prefill"]]})
 
     def _check_grid(self, grid: GridConfig) -> None:
         sets = ({"agg": grid.agg} if grid.mode == "agg"
@@ -132,30 +132,60 @@ class Router:
         choice = self.grid.select_decode_pool(context, sla.itl_ms, sla.priority)
         return [self._by_kind["decode"][i] for i in choice.pools]
 
-    def route(self, info: RouteRequestInfo) -> RouteDecision:
-        hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
-                                                               self.block_size))
-        ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
-        exclude = set(info.exclude_ids)
+    def _prefill_pool_order(self, info: RouteRequestInfo) -> list[Pool]:
+        pools = self._by_kind["prefill"]
+        if self.grid is None or self.grid.mode != "disagg" or not pools:
+            return list(pools)
+        choice = self.grid.select_prefill_pool(info.isl, info.sla.ttft_ms, info.sla.priority)
+        return [pools[i] for i in choice.pools]
+
+    @staticmethod
+    def _rank(pools: Sequence[Pool], ctx: RouteContext, exclude: set[str]
+              ) -> list[tuple[WorkerState, int]]:
         ordered: list[tuple[WorkerState, int]] = []
-        for pool in self._pool_order(info):
+        for pool in pools:
             candidates = [w for w in pool.workers.values()
                           if w.healthy and w.worker_id not in exclude]
             ranked = pool.policy.rank(candidates, ctx)
             # The first pool that can serve gives the pick and its own fallbacks; each later
             # pool in the retry order contributes its best worker.
             ordered.extend(ranked if not ordered else ranked[:1])
+        return ordered
+
+    def route(self, info: RouteRequestInfo) -> RouteDecision:
+        """Picks the decode (or aggregated) worker and, when prefill pools exist and the prompt's
+        part not cached on that worker is longer than `max_local_prefill_length`, a prefill
+        worker. Without a healthy prefill worker the request is served aggregated."""
+        hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
+                                                               self.block_size))
+        ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
+        exclude = set(info.exclude_ids)
+        ordered = self._rank(self._pool_order(info), ctx, exclude)
         if not ordered:
             raise Unavailable("no healthy worker in any eligible pool"
                               + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""))
         pick, overlap = ordered[0]
         new_blocks = max(len(hashes), math.ceil(info.isl / self.block_size))
-        prefill_blocks = max(new_blocks - overlap, 0)
+        prefill_ordered: list[tuple[WorkerState, int]] = []
+        if info.isl - overlap * self.block_size > info.max_local_prefill_length:
+            prefill_ordered = self._rank(self._prefill_pool_order(info), ctx, exclude)
         self._release(info.request_id)  # a re-routed request is counted once
-        pick.hand_out(prefill_blocks, new_blocks)
-        self._handed[info.request_id] = (pick, prefill_blocks, new_blocks, pick.num_reports)
+        if prefill_ordered:
+            prefill_pick, overlap = prefill_ordered[0]
+            handed = [self._hand_out(prefill_pick, max(new_blocks - overlap, 0), 0),
+                      self._hand_out(pick, 0, new_blocks)]
+        else:
+            handed = [self._hand_out(pick, max(new_blocks - overlap, 0), new_blocks)]
+        self._handed[info.request_id] = handed
         return RouteDecision(decode_workers=tuple(w.ref for w, _ in ordered),
-                             overlap_blocks=overlap)
+                             prefill_workers=tuple(w.ref for w, _ in prefill_ordered),
+                             disaggregate=bool(prefill_ordered), overlap_blocks=overlap)
+
+    @staticmethod
+    def _hand_out(worker: WorkerState, prefill_blocks: int, decode_blocks: int
+                  ) -> tuple[WorkerState, int, int, int]:
+        worker.hand_out(prefill_blocks, decode_blocks)
+        return worker, prefill_blocks, decode_blocks, worker.num_reports
 
     def complete(self, request_id: str) -> bool:
         """Releases a routed request's load; False for an unknown (or already completed) id."""
@@ -165,10 +195,11 @@ class Router:
         handed = self._handed.pop(request_id, None)
         if handed is None:
             return False
-        worker, prefill_blocks, decode_blocks, reports_then = handed
-        worker.take_back(prefill_blocks, decode_blocks, reports_then)
+        for worker, prefill_blocks, decode_blocks, reports_then in handed:
+            worker.take_back(prefill_blocks, decode_blocks, reports_then)
         return True
 
     def in_flight(self, worker_id: str) -> int:
         """Requests routed to `worker_id` and not completed yet."""
-        return sum(1 for w, *_ in self._handed.values() if w.worker_id == worker_id)
+        return sum(1 for handed in self._handed.values()
+                   if any(w.worker_id == worker_id for w, *_ in handed))

@@ -8,11 +8,18 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
-from tandem.engines.types import EngineRequest, TokenChunk
+from tandem.engines.types import EngineRequest, KvHandle, PrefillResult, TokenChunk
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status
 from tandem.runtime.interceptor import REQUEST_ID_KEY
-from tandem.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from tandem.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -33,8 +40,11 @@ class RouterClient:
     learns of a completion at most `flush_ms` late.
     """
 
-    def __init__(self, address: str, flush_ms: float = 20.0, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, flush_ms: float = 20.0, timeout_s: float = 10.0,
+                 max_local_prefill_length: int = 0) -> None:
         self.address = address
+        #: Conditional disaggregation threshold sent with every Route (RouteRequest field).
+        self.max_local_prefill_length = max_local_prefill_length
         #: Longest wait for a Route answer when the request itself has no nearer deadline.
         self.timeout_s = timeout_s
         self.flush_s = flush_ms / 1000
@@ -57,7 +67,8 @@ class RouterClient:
         completed = self._take_pending()
         request = router_pb2.RouteRequest(
             request_id=request_id, token_ids=token_ids, isl=len(token_ids),
-            expected_osl=expected_osl, exclude_worker_ids=exclude_ids, completed=completed)
+            expected_osl=expected_osl, exclude_worker_ids=exclude_ids, completed=completed,
+            max_local_prefill_length=self.max_local_prefill_length)
         if sla.ttft_ms is not None:
             request.sla.ttft_ms = sla.ttft_ms
         if sla.itl_ms is not None:
@@ -118,20 +129,78 @@ class RouterClient:
         await self._channel.close()
 
 
-class DecodeClients:
-    """One channel per decode worker address, opened on first use."""
+class _Channels:
+    """One channel per worker address, opened on first use."""
 
     def __init__(self) -> None:
-        self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address,
+                                                                          options=_OPTIONS)
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class PrefillClients(_Channels):
+    """Prefill calls (frontend) and lease releases (frontend and decode workers)."""
+
+    #: Longest wait for a Release answer; a dead prefill worker's leases expire on their own.
+    RELEASE_TIMEOUT_S = 5.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def prefill(self, address: str, request: EngineRequest,
+                      timeout_s: float | None = None) -> PrefillResult:
+        message = prefill_pb2.PrefillRequest(
+            request_id=request.request_id, token_ids=request.prompt_token_ids,
+            sampling=convert.sampling_to_pb(request.sampling))
+        stub = prefill_pb2_grpc.PrefillStub(self.channel(address))
+        try:
+            reply = await stub.Prefill(message, timeout=timeout_s,
+                                       metadata=((REQUEST_ID_KEY, request.request_id),))
+        except grpc.aio.AioRpcError as exc:
+            raise status.from_rpc_error(exc, f"prefill worker {address}") from None
+        return PrefillResult(
+            convert.logprob_from_pb(reply.first_token),
+            convert.kv_handle_from_pb(reply.kv_handle) if reply.HasField("kv_handle") else None,
+            reply.cached_tokens, convert.finish_from_pb(reply.finish_reason))
+
+    def release(self, handle: KvHandle) -> None:
+        """Frees the handle's lease on its prefill worker, in the background."""
+        task = asyncio.get_running_loop().create_task(self._release(handle))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, handle: KvHandle) -> None:
+        stub = prefill_pb2_grpc.PrefillStub(self.channel(handle.worker_address))
+        try:
+            await stub.Release(prefill_pb2.ReleaseRequest(request_id=handle.request_id),
+                               timeout=self.RELEASE_TIMEOUT_S,
+                               metadata=((REQUEST_ID_KEY, handle.request_id),))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("lease release failed; it will expire", extra={
+                "request_id": handle.request_id, "worker": handle.worker_address,
+                "error": exc.details()})
+
+    async def close(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases)
+        await super().close()
+
+
+class DecodeClients(_Channels):
+    """Generate streams to decode workers."""
 
     def _stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
-            self._channels.append(channel)
-            stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
-        return stub
+        return decode_pb2_grpc.DecodeStub(self.channel(address))
 
     async def generate(self, address: str, request: EngineRequest,
                        timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]:
@@ -139,6 +208,9 @@ class DecodeClients:
         message = decode_pb2.GenerateRequest(
             request_id=request.request_id, token_ids=request.prompt_token_ids,
             sampling=convert.sampling_to_pb(request.sampling))
+        if request.kv_handle is not None and request.first_token is not None:
+            message.kv_handle.CopyFrom(convert.kv_handle_to_pb(request.kv_handle))
+            message.first_token.CopyFrom(convert.logprob_to_pb(request.first_token))
         call = self._stub(address).Generate(
             message, timeout=timeout_s, metadata=((REQUEST_ID_KEY, request.request_id),))
         try:
@@ -153,7 +225,3 @@ class DecodeClients:
             raise status.from_rpc_error(exc, f"decode worker {address}") from None
         finally:
             call.cancel()
-
-    async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()

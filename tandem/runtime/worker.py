@@ -14,9 +14,10 @@ from tandem.kv.event_log import EventLog
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs
+from tandem.runtime.clients import PrefillClients
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.v1 import kv_events_pb2
+from tandem.v1 import kv_events_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,15 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
     event_log = EventLog(config.kv_event_buffer)
     if config.publish_kv_events:
         engine.set_event_sink(event_log.append)
-    names = [*service_names]
+    # Decode side of disaggregation: leases on prefill workers are released once read.
+    prefill_clients = PrefillClients()
+    engine.set_lease_releaser(prefill_clients.release)
+    names = [*service_names, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
     if config.publish_kv_events:
         names.append(kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"].full_name)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s), names)
     worker = Worker(config, engine, event_log, service)
     add_servicers(worker)
     service.on_close(engine.close)
+    service.on_close(prefill_clients.close)
     await service.run()

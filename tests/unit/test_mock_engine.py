@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -162,7 +163,9 @@ async def test_full_waiting_queue_is_overloaded(make_engine) -> None:
 
 
 def mock_handle(engine: MockEngine, n: int, **changes: object) -> KvHandle:
-    handle = KvHandle("w0", "127.0.0.1:1", "p", "mock", engine.layout, n)
+    handle = KvHandle("w0", "127.0.0.1:1", "p", "mock", engine.layout, n,
+                      block_ids=tuple(range(engine.pool.blocks_for(n))),
+                      lease_expiry_unix_ms=int(time.time() * 1000) + 30_000)
     return dataclasses.replace(handle, **changes)
 
 
@@ -251,7 +254,10 @@ async def test_disaggregated_request_emits_the_first_token_first_and_skips_prefi
     assert r.tokens[0] == 500 and len(r.tokens) == 5
     assert r.tokens[1:] == local.tokens[1:]  # same positions, same tokens
     assert r.usage == Usage(40, 5, 0)
-    assert plans[0][0].prefill_tokens == 0 and plans[0][0].first_tokens
+    # The first steps read the KV and emit the prefill worker's token; none computes a prompt.
+    assert plans[0][0].loads and not plans[0][0].first_tokens
+    first_step = next(i for i, (plan, _) in enumerate(plans) if plan.first_tokens)
+    assert all(plan.prefill_tokens == 0 for plan, _ in plans[:first_step + 1])
 
 
 async def test_an_eos_first_token_stops_unless_ignore_eos(make_engine) -> None:

@@ -9,22 +9,28 @@ import asyncio
 import contextlib
 import logging
 from abc import abstractmethod
+from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.base import Engine
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
+from tandem.engines.batching.transfers import KvLoads
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    KvHandle,
     KvLayout,
+    PrefillResult,
     TokenLogprob,
     Usage,
 )
 from tandem.errors import FailedPrecondition, InvalidRequest, Overloaded, Unavailable
-from tandem.kv.block_pool import BlockPool
+from tandem.kv.block_pool import BlockPool, BlockTable
+from tandem.kv.leases import LeaseTable
+from tandem.kv.transfer import KvTransfer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,9 @@ def validate_args(args: EngineArgs) -> None:
         if getattr(args, name) < 1:
             raise InvalidRequest(f"{name} must be at least 1, got {getattr(args, name)}",
                                  param=name)
+    if args.kv_load_failure_policy not in ("recompute", "fail"):
+        raise InvalidRequest("kv_load_failure_policy must be recompute or fail, got "
+                             f"'{args.kv_load_failure_policy}'", param="kv_load_failure_policy")
     if args.num_gpu_blocks < 0:
         raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
                              param="num_gpu_blocks")
@@ -72,6 +81,14 @@ class BatchingEngine(Engine):
         self._closed = False
         self._failure: BaseException | None = None
         self.num_steps = 0
+        #: Prefill side: blocks of prefilled prompts, pinned for their decode workers.
+        self.leases = LeaseTable(self.pool.free)
+        self.leases.on_freed = self._wakeup.set
+        #: Prefill side: handles of leases made this step, until `prefill` hands them out.
+        self._handles_out: dict[str, KvHandle] = {}
+        self._transfer: KvTransfer | None = None
+        #: Decode side: reads of prefill workers' KV in flight.
+        self.loads = KvLoads(self)
 
     @property
     def layout(self) -> KvLayout:
@@ -91,6 +108,16 @@ class BatchingEngine(Engine):
     def _request_key(self, request: EngineRequest) -> int:
         """The per-request value its sampling derives from (a seed or a stream key)."""
 
+    def _create_transfer(self) -> KvTransfer:
+        """The KV transfer over this engine's memory (created on first use)."""
+        raise FailedPrecondition(f"the {self.name} engine cannot move KV between workers")
+
+    @property
+    def transfer(self) -> KvTransfer:
+        if self._transfer is None:
+            self._transfer = self._create_transfer()
+        return self._transfer
+
     @abstractmethod
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         """Computes the scheduled step; returns one sampled token per request in `plan.ready`
@@ -99,6 +126,9 @@ class BatchingEngine(Engine):
     # ---- admission --------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> RequestStream:
+        return self._admit(request, None)
+
+    def _admit(self, request: EngineRequest, lease_ms: int | None) -> RequestStream:
         if self._closed or self._failure is not None:
             raise Unavailable(f"the {self.name} engine is closed" if self._closed
                               else f"the {self.name} engine failed: {self._failure}")
@@ -108,7 +138,7 @@ class BatchingEngine(Engine):
                              "requests); retry later")
         stream = RequestStream(request.request_id)
         req = BatchRequest(request, stream, self._request_key(request), self._eos_ids,
-                           self.args.kv_block_size)
+                           self.args.kv_block_size, lease_ms)
         self._requests[request.request_id] = req
         self.scheduler.add(req)
         self._wakeup.set()
@@ -164,6 +194,75 @@ class BatchingEngine(Engine):
         if handle.num_tokens != len(prompt):
             raise FailedPrecondition(f"the KV handle covers {handle.num_tokens} tokens but the "
                                      f"prompt has {len(prompt)}", param="kv_handle")
+        if len(handle.block_ids) != self.pool.blocks_for(len(prompt)):
+            raise FailedPrecondition(
+                f"the KV handle lists {len(handle.block_ids)} blocks but {len(prompt)} tokens "
+                f"fill {self.pool.blocks_for(len(prompt))}", param="kv_handle")
+        self.transfer  # noqa: B018  (a backend that cannot move KV refuses here, not later)
+
+    # ---- disaggregation: the prefill side -----------------------------------------------------
+
+    async def prefill(self, request: EngineRequest, lease_ms: int) -> PrefillResult:
+        if request.kv_handle is not None:
+            raise InvalidRequest("a prefill request cannot carry a KV handle", param="kv_handle")
+        if lease_ms < 1:
+            raise InvalidRequest(f"lease_ms must be at least 1, got {lease_ms}",
+                                 param="lease_ms")
+        self.transfer  # noqa: B018  (refuse before computing anything)
+        stream = self._admit(request, lease_ms)
+        first: TokenLogprob | None = None
+        cached, finish = 0, None
+        try:
+            async for chunk in stream:
+                if chunk.cached_tokens is not None:
+                    cached = chunk.cached_tokens
+                if chunk.token_ids and first is None:
+                    first = (chunk.logprobs[0] if chunk.logprobs
+                             else TokenLogprob(chunk.token_ids[0], 0.0))
+                finish = chunk.finish_reason
+            handle = self._handles_out.pop(request.request_id, None)
+        except BaseException:
+            # The caller went away (or the engine failed): nothing may stay pinned for it.
+            self.abort(request.request_id)
+            self._handles_out.pop(request.request_id, None)
+            self.leases.release(request.request_id)
+            raise
+        if first is None:
+            raise Unavailable(f"prefill of '{request.request_id}' ended without a token "
+                              f"({finish.value if finish else 'no reason'})")
+        if handle is not None:
+            return PrefillResult(first, handle, cached)
+        return PrefillResult(first, None, cached, finish)
+
+    async def release(self, request_id: str) -> bool:
+        return self.leases.release(request_id)
+
+    def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:
+        self.loads.release_remote = releaser
+
+    def debug_checksums(self) -> Mapping[tuple[str, str], str]:
+        return self.loads.checksums
+
+    def _lease(self, req: BatchRequest) -> None:
+        """A prefill-only request sampled its first token: its blocks go under a lease and the
+        handle waits for `prefill` to hand it out."""
+        assert req.lease_ms is not None
+        req.is_finished = True
+        del self._requests[req.request_id]
+        table, req.table = req.table, BlockTable()
+        bs = self.pool.block_size
+        hashes = tuple(req.block_hashes(req.num_prompt // bs, bs))
+        source = self.transfer.source(table.block_ids)
+        expiry = self.leases.add(req.request_id, table, req.lease_ms)
+        self._handles_out[req.request_id] = KvHandle(
+            worker_id="", worker_address="", request_id=req.request_id,
+            backend=self.transfer.backend, layout=self._layout, num_tokens=req.num_prompt,
+            block_ids=tuple(table.block_ids), block_hashes=hashes,
+            nixl_agent_name=source.agent_name, nixl_agent_metadata=source.agent_metadata,
+            descriptors=source.descriptors, nixl_memory_type=source.memory_type,
+            lease_expiry_unix_ms=expiry)
+        self.loads.record_checksum("leased", req.request_id, table.block_ids)
+        req.stream.finish(FinishReason.LENGTH, self._usage(req))
 
     # ---- ending requests --------------------------------------------------------------------
 
@@ -172,7 +271,8 @@ class BatchingEngine(Engine):
         if req is None or req.is_finished:
             return False
         req.is_finished = True
-        self.scheduler.drop(req)
+        if not req.is_loading:  # a read still writing its blocks frees them when it ends
+            self.scheduler.drop(req)
         req.stream.finish(FinishReason.CANCELLED, self._usage(req))
         return True
 
@@ -197,6 +297,10 @@ class BatchingEngine(Engine):
             self._wakeup.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.loads.close()
+        self.leases.close()
+        if self._transfer is not None:
+            self._transfer.close()
         self._publish(self.pool.take_events())
 
     # ---- the step loop ----------------------------------------------------------------------
@@ -221,8 +325,16 @@ class BatchingEngine(Engine):
     async def _step(self) -> None:
         plan = self.scheduler.schedule()
         self.num_steps += 1
-        if not (plan.scheduled or plan.first_tokens or plan.num_preempted
+        for req in plan.loads:
+            self.loads.start(req)
+        if not (plan.scheduled or plan.first_tokens or plan.num_preempted or plan.loads
                 or self.scheduler.running):
+            if self.leases or self.loads:
+                # Blocks held outside the batch come back by a release, an expiry or the end
+                # of a read; each wakes the loop.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                return
             # Admission validates that any request fits an empty pool, so this is a bug; fail
             # loudly rather than spin.
             raise RuntimeError(f"the {self.name} scheduler made no progress with an idle batch")
@@ -256,6 +368,9 @@ class BatchingEngine(Engine):
         if req.num_output >= req.sampling.max_tokens:
             self._finish(req, FinishReason.LENGTH)
             return True
+        if req.lease_ms is not None:
+            self._lease(req)
+            return True
         return False
 
     # ---- observability ----------------------------------------------------------------------
@@ -265,12 +380,19 @@ class BatchingEngine(Engine):
         pending = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
         pending += sum(len(r.token_ids) - r.num_computed for r in sched.running
                        if r.is_prefilling and not r.is_finished)
+        loads = self.loads
         return EngineStats(
             num_running=sum(1 for r in sched.running if not r.is_finished),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + len(loads),
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.total,
             pending_prefill_tokens=pending,
             active_decode_blocks=self.pool.num_used,
             prefix_cache_hit_rate=self.pool.prefix_hit_rate,
+            kv_leases=len(self.leases),
+            num_loading=len(loads),
+            kv_lease_expiries=self.leases.num_expired,
+            kv_bytes_received=loads.num_bytes,
+            kv_transfers_ok=loads.num_ok,
+            kv_transfers_failed=loads.num_failed,
         )

@@ -19,10 +19,10 @@ class BatchRequest:
     __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "kv_handle", "lease_ms", "is_loading")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
-                 eos_ids: frozenset[int], block_size: int) -> None:
+                 eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None) -> None:
         self.request_id = request.request_id
         self.sampling: SamplingParams = request.sampling
         self.stream = stream
@@ -40,6 +40,14 @@ class BatchRequest:
         #: Set for a disaggregated request until its first token is emitted.
         self.first_token: TokenLogprob | None = (
             request.first_token if request.kv_handle is not None else None)
+        #: Where the prompt's KV is read from (disaggregated decode); None once loaded, or when
+        #: the engine falls back to computing the prompt itself.
+        self.kv_handle = request.kv_handle
+        #: True while its blocks are being written by a transfer: they must not be freed.
+        self.is_loading = False
+        #: Set for a prefill-only request: after its first token the blocks are leased this
+        #: long instead of freed.
+        self.lease_ms = lease_ms
         self.is_finished = False
         self.was_admitted = False
         # EOS stops a request unless ignore_eos (as in vLLM). The mock never draws EOS itself,

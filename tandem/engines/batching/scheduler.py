@@ -23,8 +23,10 @@ class StepPlan:
     scheduled: list[tuple[BatchRequest, int]] = field(default_factory=list)
     #: Requests whose every token is computed at the end of the step: each samples one token.
     ready: list[BatchRequest] = field(default_factory=list)
-    #: Disaggregated requests admitted this step: each emits its prefill worker's first token.
+    #: Disaggregated requests whose KV arrived: each emits its prefill worker's first token.
     first_tokens: list[BatchRequest] = field(default_factory=list)
+    #: Disaggregated requests given blocks this step: the engine starts reading their KV.
+    loads: list[BatchRequest] = field(default_factory=list)
     #: New (uncached) prompt or recomputed tokens in the step, the T of the timing model.
     prefill_tokens: int = 0
     num_preempted: int = 0
@@ -46,24 +48,25 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
+        #: Transferred requests whose KV arrived; they join `running` at the next schedule.
+        self.loaded: list[BatchRequest] = []
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loaded)
 
     def add(self, req: BatchRequest) -> None:
         self.waiting.append(req)
 
     def drop(self, req: BatchRequest) -> None:
         """Takes `req` out of its queue and frees its blocks (finish or abort)."""
-        try:
-            self.running.remove(req)
-        except ValueError:
+        for queue in (self.running, self.waiting, self.loaded):
             try:
-                self.waiting.remove(req)
+                queue.remove(req)
+                break
             except ValueError:
-                pass
+                continue
         self.pool.free(req.table)
 
     def release(self, req: BatchRequest) -> None:
@@ -123,35 +126,41 @@ class Scheduler:
             budget -= n
             i += 1
 
+        # Requests whose KV arrived already hold their blocks: they join whatever happened.
+        for req in self.loaded:
+            running.append(req)
+            plan.first_tokens.append(req)
+        self.loaded.clear()
         if plan.num_preempted:
             return plan  # as vLLM: no admissions in a step that had to preempt
         waiting = self.waiting
         while waiting and len(running) < self.max_batch_size:
             req = waiting[0]
-            if req.first_token is not None:
-                if not self._admit_transferred(req, plan):
+            if req.kv_handle is not None:
+                # Blocks now, compute never: the engine reads the KV, then `loaded` resumes it.
+                if not self.pool.can_allocate(req.num_prompt):
                     break
-            else:
-                if budget <= 0 or not self._admit_local(req, budget, plan):
-                    break
-                budget -= plan.scheduled[-1][1]
+                self.pool.allocate(req.table, req.num_prompt)
+                waiting.popleft()
+                plan.loads.append(req)
+                continue
+            if budget <= 0 or not self._admit_local(req, budget, plan):
+                break
+            budget -= plan.scheduled[-1][1]
             waiting.popleft()
             running.append(req)
             plan.num_admitted += 1
         return plan
 
-    def _admit_transferred(self, req: BatchRequest, plan: StepPlan) -> bool:
-        """A request whose KV was computed elsewhere: allocate its prompt's blocks, no compute."""
-        if not self.pool.can_allocate(req.num_prompt):
-            return False
-        self.pool.allocate(req.table, req.num_prompt)
+    def resume_loaded(self, req: BatchRequest) -> None:
+        """A transferred request's KV has arrived: its prompt counts as computed (and cached)
+        and it runs from the next step."""
         req.num_computed = req.num_prompt
         full = req.num_prompt // self.block_size
         if self.pool.enable_prefix_caching and full:
             hashes = req.block_hashes(full, self.block_size)
             self.pool.commit(req.table, req.token_ids, hashes, full, req.mm_per_block)
-        plan.first_tokens.append(req)
-        return True
+        self.loaded.append(req)
 
     def _admit_local(self, req: BatchRequest, budget: int, plan: StepPlan) -> bool:
         pool, bs = self.pool, self.block_size

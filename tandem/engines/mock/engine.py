@@ -16,6 +16,7 @@ from tandem.engines.mock import timing
 from tandem.engines.mock.sampler import TokenSampler, special_token_ids, stream_key
 from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import InvalidRequest
+from tandem.kv.transfer import KvTransfer, SimulatedTransfer
 from tandem.model.config import ModelConfig
 
 #: Pool size when --num-gpu-blocks-override is not given (the mock has no memory to measure).
@@ -44,6 +45,13 @@ class MockEngine(BatchingEngine):
         if request.sampling.prompt_logprobs is not None:
             raise InvalidRequest("the mock engine has no model, so no prompt logprobs",
                                  param="prompt_logprobs")
+
+    def _create_transfer(self) -> KvTransfer:
+        layout = self.layout
+        element = 4 if layout.dtype == "float32" else 2
+        block_bytes = (2 * layout.num_layers * layout.block_size * layout.num_kv_heads
+                       * layout.head_size * element)
+        return SimulatedTransfer(block_bytes, self.args.mock_kv_transfer_gbps)
 
     def _request_key(self, request: EngineRequest) -> int:
         return stream_key(request.prompt_token_ids, request.sampling.seed)

@@ -25,6 +25,7 @@ from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logpro
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.types import EngineRequest, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
+from tandem.kv.transfer import KvTransfer
 from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class ReferenceEngine(BatchingEngine):
     name = "reference"
-    #: KV handles from prefill workers (NIXL) arrive with disaggregated serving.
-    accepted_backends: frozenset[str] = frozenset()
+    accepted_backends = frozenset({"nixl"})
 
     def __init__(self, args: EngineArgs, config: ModelConfig, model: DecoderModel,
                  kv_cache: torch.Tensor, device: torch.device) -> None:
@@ -52,6 +52,11 @@ class ReferenceEngine(BatchingEngine):
         self.graphs = (None if device.type != "cuda" or args.enforce_eager else
                        DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
                                     -(-max_model_len // block_size)))
+
+    def _create_transfer(self) -> KvTransfer:
+        # Imported here: aggregated workers never load NIXL.
+        from tandem.kv.nixl_transfer import NixlTransfer
+        return NixlTransfer(self.kv_cache, "tandem-reference")
 
     def _request_key(self, request: EngineRequest) -> int:
         seed = request.sampling.seed

@@ -1,0 +1,123 @@
+"""The decode side of disaggregation: reading a prefill worker's KV into blocks the scheduler
+allocated, then resuming the request from its first token (or applying the failure policy).
+
+Blocks being written by a read are never freed under it: an abort during the read only marks
+the request, and the read's end frees them. Whatever happens, the prefill worker is told to
+release its lease once the read is over.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tandem.engines.batching.request import BatchRequest
+from tandem.engines.types import KvHandle
+from tandem.errors import FailedPrecondition, UpstreamError
+from tandem.kv.transfer import TransferError
+
+if TYPE_CHECKING:
+    from tandem.engines.batching.engine import BatchingEngine
+
+log = logging.getLogger(__name__)
+
+#: A read starts only with at least this much lease left: the prefill worker may reuse the
+#: blocks the moment it expires, and a read racing that would copy someone else's KV.
+LEASE_MARGIN_S = 0.05
+
+#: Checksums kept per direction with --debug-kv-checksums.
+MAX_CHECKSUMS = 256
+
+#: Tells a prefill worker its lease is no longer needed (fire and forget).
+LeaseReleaser = Callable[[KvHandle], None]
+
+
+class KvLoads:
+    def __init__(self, engine: BatchingEngine) -> None:
+        self.engine = engine
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Set by the worker process: releases leases on prefill workers (Prefill.Release).
+        self.release_remote: LeaseReleaser | None = None
+        self.num_bytes = 0
+        self.num_ok = 0
+        self.num_failed = 0
+        #: With --debug-kv-checksums: ("leased" | "received", request id) -> hex digest.
+        self.checksums: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, req: BatchRequest) -> None:
+        req.is_loading = True
+        self._tasks[req.request_id] = asyncio.get_running_loop().create_task(
+            self._load(req), name=f"kv-load-{req.request_id}")
+
+    async def _load(self, req: BatchRequest) -> None:
+        engine = self.engine
+        handle = req.kv_handle
+        assert handle is not None
+        local = req.table.block_ids[:len(handle.block_ids)]
+        error: Exception | None = None
+        try:
+            left_s = handle.lease_expiry_unix_ms / 1000 - time.time() - LEASE_MARGIN_S
+            if left_s <= 0:
+                raise FailedPrecondition(
+                    f"the KV lease of request '{handle.request_id}' on prefill worker "
+                    f"'{handle.worker_id}' expired before it could be read")
+            self.num_bytes += await engine.transfer.read(handle, local, left_s)
+            self.num_ok += 1
+            self.record_checksum("received", req.request_id, local)
+        except (TransferError, FailedPrecondition) as exc:
+            error = exc
+        except asyncio.CancelledError:  # engine closing: the read was abandoned
+            engine.pool.free(req.table)
+            raise
+        except Exception as exc:  # a transfer bug must not strand the request or its blocks
+            log.exception("KV read failed unexpectedly", extra={"request_id": req.request_id})
+            error = exc
+        finally:
+            req.is_loading = False
+            del self._tasks[req.request_id]
+            if self.release_remote is not None:
+                self.release_remote(handle)
+        self._after(req, error)
+
+    def _after(self, req: BatchRequest, error: Exception | None) -> None:
+        engine = self.engine
+        if req.is_finished:  # aborted during the read; nothing writes the blocks now
+            engine.pool.free(req.table)
+        elif error is None:
+            req.kv_handle = None
+            engine.scheduler.resume_loaded(req)
+        else:
+            self.num_failed += 1
+            engine.pool.free(req.table)
+            if engine.args.kv_load_failure_policy == "recompute":
+                log.warning("KV read failed; computing the prompt locally",
+                            extra={"request_id": req.request_id, "error": str(error)})
+                req.kv_handle = None
+                req.first_token = None
+                engine.scheduler.waiting.appendleft(req)
+            else:
+                req.is_finished = True
+                del engine._requests[req.request_id]
+                req.stream.fail(error if isinstance(error, FailedPrecondition) else
+                                UpstreamError(f"reading the prompt's KV failed: {error}"))
+        engine._wakeup.set()
+
+    def record_checksum(self, direction: str, request_id: str, block_ids: Sequence[int]) -> None:
+        if not self.engine.args.debug_kv_checksums:
+            return
+        self.checksums[(direction, request_id)] = self.engine.transfer.checksum(block_ids)
+        while len(self.checksums) > MAX_CHECKSUMS:
+            self.checksums.popitem(last=False)
+
+    async def close(self) -> None:
+        """Cancels reads in flight (each frees its blocks as it ends)."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
