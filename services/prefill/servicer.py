@@ -34,7 +34,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  param="request_id")
         engine_req = EngineRequest(
             request_id=request.request_id, prompt_token_ids=tuple(request.token_ids),
-            sampling=convert.sampling_from_pb(request.sampling, default_max_tokens=1),
+            sampling=convert.sampling_from_pb(
+                request.sampling, max(self.engine.max_model_len - len(request.token_ids), 1)),
             embeddings=tuple(convert.embedding_from_pb(e) for e in request.embeddings))
         lease_ms = request.lease_ms if request.HasField("lease_ms") else self.default_lease_ms
         result = await self.engine.prefill(engine_req, lease_ms)

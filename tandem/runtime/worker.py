@@ -4,12 +4,16 @@ Which servicers a worker hosts depends on its stage; services/<stage>/ adds them
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
 
+from prometheus_client import start_http_server
+
 from tandem.engines.base import Engine
 from tandem.engines.registry import create_engine
+from tandem.engines.types import EngineStats
 from tandem.kv.event_log import EventLog
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
@@ -17,6 +21,7 @@ from tandem.runtime import logs
 from tandem.runtime.clients import PrefillClients
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.worker_config import WorkerConfig
+from tandem.runtime.worker_metrics import worker_registry
 from tandem.v1 import kv_events_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,18 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
     log.info("config", extra={"config": config_lib.as_dict(config), "stage": stage})
     engine = create_engine(config.engine, config.engine_args)
     await engine.start()
+    if config.metrics_port:
+        loop = asyncio.get_running_loop()
+
+        async def snapshot() -> EngineStats:
+            return engine.stats()
+
+        def stats_on_loop() -> EngineStats:
+            # Scrapes come on the HTTP server's thread; the engine's state belongs to the loop.
+            return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
+
+        start_http_server(config.metrics_port, config.host,
+                          registry=worker_registry(config.identity, stats_on_loop))
     event_log = EventLog(config.kv_event_buffer)
     if config.publish_kv_events:
         engine.set_event_sink(event_log.append)

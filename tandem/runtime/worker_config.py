@@ -31,6 +31,8 @@ class WorkerConfig:
     grace_period_s: float = 30.0
     #: How long a prefill worker keeps a request's KV blocks for its decode worker, ms.
     kv_lease_ms: int = 30_000
+    #: Port of the Prometheus /metrics endpoint; 0: none.
+    metrics_port: int = 0
     log_level: str = "info"
     engine_args: EngineArgs = field(default_factory=EngineArgs)
 

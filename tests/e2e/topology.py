@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import dataclasses
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +42,7 @@ class Topology:
     decode_addresses: list[str]
     router_address: str
     protos_root: str = str(ROOT / "protos")
+    prefill_addresses: list[str] = dataclasses.field(default_factory=list)
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -48,12 +50,15 @@ class Topology:
         return self.process.wait(timeout=60)
 
 
-def start_topology(*extra: str, num_decode: int = 1) -> Topology:
-    """Runs `tandem up` on free ports and returns once it printed its READY line."""
-    http, grpc_port, router, *decode = free_ports(3 + num_decode)
+def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0) -> Topology:
+    """Runs `tandem up` on free ports and returns once it printed its READY line; with
+    `num_prefill`, disaggregated (`--disagg`)."""
+    http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill)
+    decode, prefill = workers[:num_decode], workers[num_decode:]
+    disagg = ["--disagg", "--prefill-ports", *map(str, prefill)] if prefill else []
     argv = tandem_cmd("up", "--http-port", str(http), "--grpc-port", str(grpc_port),
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
-                      "--grace-period-s", "5", *extra)
+                      "--grace-period-s", "5", *disagg, *extra)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ready = _read_ready_line(proc)
@@ -61,7 +66,8 @@ def start_topology(*extra: str, num_decode: int = 1) -> Topology:
     # Keep draining stdout so the launcher never blocks on a full pipe.
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
     return Topology(proc, fields["http"], fields["grpc"], fields["model"], fields["tokenizer"],
-                    [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}")
+                    [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}",
+                    prefill_addresses=[f"127.0.0.1:{p}" for p in prefill])
 
 
 def _read_ready_line(proc: subprocess.Popen[str]) -> str:
@@ -82,12 +88,12 @@ def _read_ready_line(proc: subprocess.Popen[str]) -> str:
     return result[0]
 
 
-def start_worker(*extra: str, engine: str = "mock",
-                 port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """Runs one `tandem serve decode` worker and waits until its health says SERVING."""
+def start_worker(*extra: str, engine: str = "mock", port: int | None = None,
+                 stage: str = "decode") -> tuple[subprocess.Popen[bytes], str]:
+    """Runs one `tandem serve <stage>` worker and waits until its health says SERVING."""
     if port is None:
         (port,) = free_ports(1)
-    proc = subprocess.Popen(tandem_cmd("serve", "decode", "--port", str(port), "--engine",
+    proc = subprocess.Popen(tandem_cmd("serve", stage, "--port", str(port), "--engine",
                                        engine, *extra), cwd=ROOT)
     address = f"127.0.0.1:{port}"
     wait_serving(address)

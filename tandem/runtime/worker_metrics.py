@@ -1,0 +1,56 @@
+"""A worker's Prometheus metrics, read from the engine's stats at scrape time (nothing on the
+request path): running/waiting requests, KV blocks, prefix-cache hit rate, leases, transfers."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem.engines.types import EngineStats
+
+#: (name, help, EngineStats field) of the gauges.
+_GAUGES = (
+    ("tandem_worker_requests_running", "Requests in the running batch", "num_running"),
+    ("tandem_worker_requests_waiting", "Requests waiting for admission or for their KV",
+     "num_waiting"),
+    ("tandem_worker_kv_blocks_used", "KV blocks held", "kv_blocks_used"),
+    ("tandem_worker_kv_blocks_total", "KV blocks in the pool", "kv_blocks_total"),
+    ("tandem_worker_prefix_cache_hit_rate", "Share of prompt tokens served from the cache",
+     "prefix_cache_hit_rate"),
+    ("tandem_kv_leases", "Prefill leases held for decode workers", "kv_leases"),
+    ("tandem_kv_loading_requests", "Requests whose KV is being read", "num_loading"),
+)
+#: (name without _total, help, EngineStats field) of the counters.
+_COUNTERS = (
+    ("tandem_kv_transfer_bytes", "Bytes of KV read from prefill workers", "kv_bytes_received"),
+    ("tandem_kv_transfers", "KV reads that completed", "kv_transfers_ok"),
+    ("tandem_kv_transfer_failures", "KV reads that failed or found their lease expired",
+     "kv_transfers_failed"),
+    ("tandem_kv_lease_expiries", "Prefill leases that ran out before release",
+     "kv_lease_expiries"),
+)
+
+
+class EngineCollector(Collector):
+    def __init__(self, worker_id: str, stats: Callable[[], EngineStats]) -> None:
+        self.worker_id = worker_id
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.stats()
+        for name, help_text, field in _GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["worker"])
+            gauge.add_metric([self.worker_id], getattr(stats, field))
+            yield gauge
+        for name, help_text, field in _COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["worker"])
+            counter.add_metric([self.worker_id], getattr(stats, field))
+            yield counter
+
+
+def worker_registry(worker_id: str, stats: Callable[[], EngineStats]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(worker_id, stats))
+    return registry
