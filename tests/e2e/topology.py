@@ -1,6 +1,7 @@
 """Helpers that start Tandem the way users do (`tandem up`, `tandem serve`) on free ports."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -8,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import dataclasses
 from dataclasses import dataclass
 
 import grpc
