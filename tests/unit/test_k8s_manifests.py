@@ -1,0 +1,313 @@
+"""deploy/k8s: the manifests parse, one Deployment per stage runs a command this version's CLI
+accepts, workers probe the gRPC health service, drain inside their termination grace and
+request GPUs, the router's DNS pools name the workers' headless Services, and the
+ServiceMonitor finds every metrics port. The topology matches compose's gpu profile."""
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+from unittest import mock
+
+import pytest
+import yaml
+
+from services.common.worker_main import STAGES
+from services.frontend.main import FrontendConfig
+from services.router.main import build_router
+from tandem import cli
+from tandem.routing.config import RouterConfig
+from tandem.runtime import loop
+from tandem.runtime.worker_config import WorkerConfig
+from tandem.v1 import inference_pb2, router_pb2
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+COMPOSE = ROOT / "compose.yaml"
+STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode"}
+WORKER_STAGES = set(STAGES)
+HEALTH_SERVICE = {
+    "frontend": inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+    "router": router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+    **{stage: spec.service_name for stage, spec in STAGES.items()},
+}
+#: The value a `fieldRef` env var stands for while parsing (say, status.podIP).
+FIELD_REF_PLACEHOLDER = "10.1.2.3"
+
+
+def parse_serve(argv: Sequence[str]) -> tuple[str, Any]:
+    """Runs `tandem serve STAGE FLAGS...` through the real CLI (tandem.cli.main) up to the point
+    where it would start serving; returns the stage and the config it built. An unknown flag
+    makes the CLI exit (SystemExit 2)."""
+    assert list(argv[:2]) == ["tandem", "serve"], argv
+    built: list[Any] = []
+
+    def capture(main: Any) -> None:
+        built.append(main.cr_frame.f_locals["config"])
+        main.close()
+
+    with mock.patch.object(loop, "run", capture):
+        cli.main(list(argv[1:]))
+    assert len(built) == 1, f"`{' '.join(argv)}` did not reach the point of serving"
+    return argv[2], built[0]
+
+
+def namespace() -> str:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+
+
+def manifests() -> list[dict[str, Any]]:
+    """Every document of every resource the kustomization lists."""
+    resources = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    docs = [d for r in resources for d in yaml.safe_load_all((K8S / r).read_text()) if d]
+    assert docs
+    return docs
+
+
+def of_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in manifests() if d["kind"] == kind}
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and args."""
+    def substitute(m: re.Match[str]) -> str:
+        assert m.group(1) in env, f"$({m.group(1)}) is not in the container's env"
+        return env[m.group(1)]
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", substitute, arg)
+
+
+def argv_of(deployment: dict[str, Any], tmp_path: pathlib.Path) -> list[str]:
+    """The container's argv as the kubelet runs it, with files mounted from ConfigMaps written
+    under tmp_path."""
+    spec = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    env = {e["name"]: e.get("value", FIELD_REF_PLACEHOLDER) for e in c.get("env", [])}
+    argv = [expand(a, env) for a in [*c["command"], *c.get("args", [])]]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    config_maps = of_kind("ConfigMap")
+    for i, arg in enumerate(argv[:-1]):
+        if arg != "--config":
+            continue
+        path = pathlib.PurePosixPath(argv[i + 1])
+        mount = next(m for m in c["volumeMounts"] if path.parent == pathlib.PurePosixPath(
+            m["mountPath"]))
+        data = config_maps[volumes[mount["name"]]["configMap"]["name"]]["data"]
+        local = tmp_path / path.name
+        local.write_text(data[path.name])
+        argv[i + 1] = str(local)
+    return argv
+
+
+def parsed(tmp_path: pathlib.Path) -> dict[str, tuple[dict[str, Any], Any]]:
+    """stage -> (Deployment, config) for every Deployment."""
+    out = {}
+    for deployment in of_kind("Deployment").values():
+        stage, config = parse_serve(argv_of(deployment, tmp_path))
+        assert stage not in out, f"two Deployments run {stage}"
+        out[stage] = (deployment, config)
+    return out
+
+
+def grpc_port(config: Any) -> int:
+    return config.grpc_port if isinstance(config, FrontendConfig) else config.port
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def headless_service(stage: str, deployment: dict[str, Any]) -> dict[str, Any]:
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    matches = [s for s in of_kind("Service").values() if s["spec"].get("clusterIP") == "None"
+               and selects(s["spec"]["selector"], pod_labels)]
+    assert len(matches) == 1, f"{stage}: {len(matches)} headless Services"
+    return matches[0]
+
+
+# ---- the manifests --------------------------------------------------------------------------
+
+def test_every_manifest_parses_and_is_listed() -> None:
+    resources = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert files == resources
+    kinds = [d["kind"] for d in manifests()]
+    for doc in manifests():
+        assert doc["apiVersion"] and doc["metadata"]["name"]
+    assert kinds.count("Deployment") == 5
+    assert kinds.count("ServiceMonitor") == 1 and kinds.count("ConfigMap") == 1
+    assert set(of_kind("Namespace")) == {namespace()}
+
+
+def test_one_deployment_per_stage(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    assert set(stages) == STAGE_NAMES
+    for stage, (deployment, _) in stages.items():
+        assert deployment["metadata"]["name"] == stage
+
+
+def test_container_commands_parse_with_the_cli(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    assert len(stages) == 5
+    for stage, (deployment, config) in stages.items():
+        assert config.host == "0.0.0.0", stage
+        ports = {p["containerPort"] for p in container(deployment)["ports"]}
+        assert grpc_port(config) in ports, f"{stage} does not expose its gRPC port"
+        if stage in WORKER_STAGES:
+            assert isinstance(config, WorkerConfig)
+            # Each pod advertises its own IP: prefill leases are released at that address.
+            assert config.worker_id == f"{FIELD_REF_PLACEHOLDER}:{config.port}", stage
+            pod_ip = next(e for e in container(deployment)["env"] if e["name"] == "POD_IP")
+            assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        elif stage == "router":
+            build_router(config)
+
+
+def test_an_unknown_flag_fails_the_parser(tmp_path: pathlib.Path) -> None:
+    argv = argv_of(of_kind("Deployment")["decode"], tmp_path)
+    with pytest.raises(SystemExit):
+        parse_serve([*argv, "--no-such-flag"])
+
+
+# ---- probes, drain, resources ---------------------------------------------------------------
+
+def test_probes_use_the_grpc_health_service(tmp_path: pathlib.Path) -> None:
+    for stage, (deployment, config) in parsed(tmp_path).items():
+        c = container(deployment)
+        readiness = c["readinessProbe"]["grpc"]
+        assert readiness == {"port": grpc_port(config), "service": HEALTH_SERVICE[stage]}, stage
+        assert "livenessProbe" in c, stage
+        if stage == "router":
+            # Its health says "some worker is healthy", not "the router is alive".
+            assert c["livenessProbe"]["tcpSocket"]["port"] == config.port
+            continue
+        liveness = c["livenessProbe"]["grpc"]
+        assert liveness["port"] == grpc_port(config)
+        assert liveness.get("service", "") in ("", HEALTH_SERVICE[stage])
+        if stage in WORKER_STAGES:
+            assert c["startupProbe"]["grpc"] == readiness
+
+
+def test_termination_grace_covers_prestop_and_drain(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    for stage, (deployment, config) in stages.items():
+        c = container(deployment)
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep" and len(command) == 2, stage
+        pre_stop_s = float(command[1])
+        assert pre_stop_s > 0
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > pre_stop_s + config.grace_period_s, stage
+
+
+def test_gpu_stages_request_one_gpu_and_every_container_has_resources(
+        tmp_path: pathlib.Path) -> None:
+    gpus = 0
+    for stage, (deployment, config) in parsed(tmp_path).items():
+        resources = container(deployment)["resources"]
+        assert resources["requests"]["cpu"] and resources["requests"]["memory"], stage
+        assert resources["limits"]["memory"], stage
+        if stage in WORKER_STAGES and config.engine == "trtllm":
+            assert resources["requests"]["nvidia.com/gpu"] == 1
+            assert resources["limits"]["nvidia.com/gpu"] == 1
+            gpus += 1
+        else:
+            assert "nvidia.com/gpu" not in resources["limits"], stage
+    assert gpus == len(WORKER_STAGES)
+
+
+# ---- discovery ------------------------------------------------------------------------------
+
+def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    router = stages["router"][1]
+    assert isinstance(router, RouterConfig)
+    pools = {p.kind: p for p in router.pools}
+    assert set(pools) == {"prefill", "decode"}
+    for stage in WORKER_STAGES:
+        deployment, worker = stages[stage]
+        service = headless_service(stage, deployment)
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert ports["grpc"]["port"] == worker.port
+        assert ports["grpc"]["targetPort"] in {p["name"] for p in container(deployment)["ports"]}
+        if stage not in pools:
+            continue
+        expected = f"{service['metadata']['name']}.{namespace()}.svc.cluster.local:{worker.port}"
+        assert pools[stage].dns == expected and not pools[stage].workers
+        assert router.block_size == worker.engine_args.kv_block_size
+
+
+def test_frontend_reaches_the_router_service(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    frontend, router = stages["frontend"][1], stages["router"][1]
+    host, _, port = frontend.router_address.rpartition(":")
+    service = of_kind("Service")[host]
+    assert service["spec"].get("clusterIP") != "None"
+    assert selects(service["spec"]["selector"],
+                   stages["router"][0]["spec"]["template"]["metadata"]["labels"])
+    assert {p["port"] for p in service["spec"]["ports"]} >= {int(port)} and int(port) == router.port
+
+
+def test_service_monitor_selects_every_metrics_port(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    monitor = next(iter(of_kind("ServiceMonitor").values()))
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    endpoint_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    selected = [s for s in of_kind("Service").values()
+                if selects(selector, s["metadata"].get("labels", {}))]
+    scraped: dict[str, int] = {}
+    for service in selected:
+        for port in service["spec"]["ports"]:
+            if port["name"] in endpoint_ports:
+                scraped[service["metadata"]["name"]] = port["port"]
+    assert scraped["router"] == stages["router"][1].metrics_port
+    assert scraped["frontend"] == stages["frontend"][1].http_port
+    for stage in WORKER_STAGES:
+        deployment, worker = stages[stage]
+        name = headless_service(stage, deployment)["metadata"]["name"]
+        assert worker.metrics_port and scraped[name] == worker.metrics_port, stage
+        assert {"name": "metrics", "containerPort": worker.metrics_port} in (
+            container(deployment)["ports"])
+    # Every port named `metrics` anywhere is on a Service the monitor selects.
+    for service in of_kind("Service").values():
+        if any(p["name"] == "metrics" for p in service["spec"]["ports"]):
+            assert service in selected, service["metadata"]["name"]
+
+
+# ---- the same topology as compose -----------------------------------------------------------
+
+def _compose_gpu_workers() -> dict[str, WorkerConfig]:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    out = {}
+    for service in compose["services"].values():
+        command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in service.get("command", [])]
+        if (command[:2] == ["tandem", "serve"] and command[2] in WORKER_STAGES
+                and service.get("profiles") in (["gpu"], ["encode"])):
+            stage, config = parse_serve(command)
+            out[stage] = config
+    return out
+
+
+def test_k8s_runs_compose_gpu_topology(tmp_path: pathlib.Path) -> None:
+    stages = parsed(tmp_path)
+    compose = _compose_gpu_workers()
+    assert set(compose) == WORKER_STAGES
+    for stage, theirs in compose.items():
+        ours = stages[stage][1]
+        for f in ("engine", "disaggregation_mode", "served_model_name", "grace_period_s",
+                  "port", "metrics_port"):
+            assert getattr(ours, f) == getattr(theirs, f), f"{stage} {f}"
+        assert ours.engine_args == theirs.engine_args, stage
+    compose_router = yaml.safe_load((ROOT / "deploy/compose/router.yaml").read_text())
+    router = stages["router"][1]
+    assert sorted(p.kind for p in router.pools) == sorted(
+        p["kind"] for p in compose_router["pools"])
+    assert router.block_size == compose_router["block_size"]
+    assert router.metrics_port == compose_router["metrics_port"]
