@@ -19,6 +19,8 @@ _WORKER_STAGES = {"decode", "prefill", "encode"}
 _USAGE = """usage: tandem serve <frontend|router|prefill|decode|encode> [flags]
        tandem up [--config FILE] [--engine mock] [--model PATH] [engine flags]
        tandem demo-model            (prints the demo model directory, creating it if needed)
+       tandem check-engine --engine trtllm --model PATH [engine flags]
+                                    (aggregated vs disaggregated tokens on a real engine)
 Each command takes --help."""
 
 
@@ -40,6 +42,9 @@ def _dispatch(args: list[str]) -> None:
     elif command == "up":
         from tandem.launcher.up import main as up_main
         up_main(args[1:])
+    elif command == "check-engine":
+        from tandem.engines.trtllm.check import main as check_main
+        sys.exit(check_main(args[1:]))
     elif command == "demo-model":
         from tandem.model.demo import ensure_demo_model
         print(ensure_demo_model())

@@ -82,4 +82,7 @@ def main(stage: str, argv: Sequence[str]) -> None:
                              description=f"Run a Tandem {stage} worker.")
     spec = STAGES[stage]
     config = _with_stage_mode(config, stage, spec)
+    if config.disaggregation_mode == "encode":
+        config = dataclasses.replace(config, engine_args=dataclasses.replace(
+            config.engine_args, encode_only=True))
     loop.run(run_worker(config, stage, _registration(spec), [spec.service_name]))

@@ -15,6 +15,8 @@ EngineFactory = Callable[[EngineArgs], Engine]
 _BACKENDS: dict[str, str] = {
     "mock": "tandem.engines.mock.engine:create_mock_engine",
     "reference": "tandem.engines.reference.engine:create_reference_engine",
+    # Imports tensorrt_llm only when chosen; without it, creation fails with an install hint.
+    "trtllm": "tandem.engines.trtllm.engine:create_trtllm_engine",
 }
 
 

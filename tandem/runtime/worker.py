@@ -48,6 +48,10 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
             config, engine_args=dataclasses.replace(config.engine_args, model=str(demo)))
     log.info("config", extra={"config": config_lib.as_dict(config), "stage": stage})
     engine = create_engine(config.engine, config.engine_args)
+    event_log = EventLog(config.kv_event_buffer)
+    if config.publish_kv_events:
+        # Before start: TensorRT-LLM sizes its event buffer when the engine is built.
+        engine.set_event_sink(event_log.append)
     await engine.start()
     if config.metrics_port:
         loop = asyncio.get_running_loop()
@@ -61,9 +65,6 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
 
         start_http_server(config.metrics_port, config.host,
                           registry=worker_registry(config.identity, stats_on_loop))
-    event_log = EventLog(config.kv_event_buffer)
-    if config.publish_kv_events:
-        engine.set_event_sink(event_log.append)
     # Decode side of disaggregation: leases on prefill workers are released once read.
     prefill_clients = PrefillClients()
     engine.set_lease_releaser(prefill_clients.release)
