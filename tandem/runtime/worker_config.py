@@ -2,6 +2,7 @@
 worker where one exists."""
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from tandem.engines.args import EngineArgs
@@ -44,4 +45,12 @@ class WorkerConfig:
 
     @property
     def identity(self) -> str:
-        return self.worker_id or f"{self.host}:{self.port}"
+        """The worker's id, also the address peers reach it at (decode workers release
+        prefill leases there): --worker-id, else host:port, with a wildcard host replaced by
+        this machine's address (containers, pods)."""
+        if self.worker_id:
+            return self.worker_id
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{self.port}"
