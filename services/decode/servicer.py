@@ -9,7 +9,7 @@ import grpc
 from tandem.engines.base import Engine
 from tandem.engines.types import EngineRequest
 from tandem.errors import InvalidRequest, Unavailable
-from tandem.runtime import convert
+from tandem.runtime import convert, tracing
 from tandem.runtime.server import Draining
 from tandem.v1 import decode_pb2 as pb
 from tandem.v1 import decode_pb2_grpc
@@ -57,6 +57,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     message.finish_reason = convert.finish_to_pb(chunk.finish_reason)
                     if chunk.usage is not None:
                         message.usage.CopyFrom(convert.usage_to_pb(chunk.usage))
+                        tracing.annotate({tracing.INPUT_TOKENS: chunk.usage.prompt_tokens,
+                                          tracing.OUTPUT_TOKENS: chunk.usage.completion_tokens})
                     finished = True
                 yield message
         finally:

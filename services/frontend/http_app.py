@@ -2,20 +2,22 @@
 errors leave as OpenAI error JSON with the status from tandem.frontend.errors."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tandem.errors import InvalidRequest, TandemError, Unavailable
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
+from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
 from tandem.frontend.openai_request import Kind, parse_request
 from tandem.frontend.openai_stream import OpenAIResponder
 from tandem.frontend.pipeline import Delta
-from tandem.runtime import logs
+from tandem.runtime import logs, tracing
 from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
@@ -57,16 +59,38 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completion", "completions")
 
-    def _error(self, exc: BaseException, endpoint: str) -> web.Response:
+    def _error(self, exc: BaseException, tracker: RequestTracker) -> web.Response:
         status, body = http_error(exc)
         if status >= 500 and status not in _RETRYABLE:
             log.error("request failed", exc_info=exc)
-        self.metrics.requests.labels(self.metrics.model, endpoint, str(status)).inc()
+        tracker.finish(str(status))
         headers = {"Retry-After": _RETRY_AFTER_S} if status in _RETRYABLE else None
         return web.json_response(body, status=status, headers=headers)
 
     async def _serve(self, request: web.Request, kind: Kind, endpoint: str) -> web.StreamResponse:
-        started = time.perf_counter()
+        """One request inside its metrics and its trace (a child of the client's traceparent)."""
+        tracker = self.metrics.track(endpoint)
+        attributes = {"http.request.method": request.method, "http.route": request.path}
+        with tracing.span(f"{request.method} {request.path}", SpanKind.SERVER, attributes,
+                          parent=tracing.extract(request.headers)) as span:
+            try:
+                response = await self._respond(request, kind, tracker)
+            except web.HTTPException as exc:
+                tracker.finish(str(exc.status))
+                raise
+            except (asyncio.CancelledError, ConnectionResetError):
+                tracker.finish(CLIENT_CLOSED)
+                raise
+            except BaseException:
+                tracker.finish("500")
+                raise
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:  # HTTP semantic conventions: 4xx is the client's doing
+                span.set_status(Status(StatusCode.ERROR))
+            return response
+
+    async def _respond(self, request: web.Request, kind: Kind,
+                       tracker: RequestTracker) -> web.StreamResponse:
         try:
             if self.draining.active:
                 raise Unavailable("the frontend is draining")
@@ -79,48 +103,46 @@ class OpenAIRoutes:
         except web.HTTPException:
             raise  # e.g. 413 from request.read(): json_errors gives it the OpenAI shape
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
-            return self._error(exc, endpoint)
+            return self._error(exc, tracker)
         token = logs.request_id_var.set(gen.request_id)
         client_id = request.headers.get("x-request-id")
         if client_id:
             log.info("request", extra={"client_request_id": client_id})
-        in_flight = self.metrics.in_flight.labels(self.metrics.model)
-        in_flight.inc()
         responder = OpenAIResponder(parsed, self.frontend.model.name,
                                     self.frontend.token_text)
         deltas = self.frontend.pipeline.generate(gen)
         try:
             if parsed.stream:
-                return await self._stream(request, responder, deltas, endpoint)
+                return await self._stream(request, responder, deltas, tracker)
             seen: list[Delta] = []
 
-            async def remember_first() -> AsyncIterator[Delta]:
+            async def remember() -> AsyncIterator[Delta]:
                 async for delta in deltas:
                     if not seen:
-                        seen.append(delta)
+                        tracker.first_token()
+                    seen[1:] = [delta]  # the first and the last
                     yield delta
 
             try:
-                body = await responder.collect(remember_first())
+                body = await responder.collect(remember())
             except Exception as exc:  # noqa: BLE001
-                return self._error(exc, endpoint)
-            self._count(endpoint, "200", body.get("usage"))
+                return self._error(exc, tracker)
+            tracker.finish("200", seen[-1].usage if seen else None)
             return web.json_response(body, headers=_decision_headers(seen[0] if seen else None))
         finally:
             await deltas.aclose()
-            in_flight.dec()
-            self.metrics.duration.labels(self.metrics.model).observe(
-                time.perf_counter() - started)
             logs.request_id_var.reset(token)
 
     async def _stream(self, request: web.Request, responder: OpenAIResponder,
-                      deltas: AsyncIterator[Delta], endpoint: str) -> web.StreamResponse:
+                      deltas: AsyncIterator[Delta],
+                      tracker: RequestTracker) -> web.StreamResponse:
         # Wait for the first delta before answering 200, so that routing and admission errors
         # still reach the client as a proper HTTP status.
         try:
             first = await anext(deltas)
         except Exception as exc:  # noqa: BLE001
-            return self._error(exc, endpoint)
+            return self._error(exc, tracker)
+        tracker.first_token()
         response = web.StreamResponse(headers={**_SSE_HEADERS, **_decision_headers(first)})
         await response.prepare(request)
         events = responder.first_events() + responder.delta_events(first)
@@ -131,34 +153,14 @@ class OpenAIRoutes:
             async for delta in deltas:
                 await response.write(b"".join(_sse(e) for e in responder.delta_events(delta)))
                 usage = delta.usage or usage
-        except (ConnectionResetError, TandemError) as exc:
-            if isinstance(exc, ConnectionResetError):
-                self.metrics.disconnects.labels(self.metrics.model).inc()
-                raise
+        except TandemError as exc:
             status, body = http_error(exc)
             log.warning("stream failed after it started", extra={"status": status})
+            tracker.finish(str(status))  # the HTTP status is 200 already; count the failure
             await response.write(_sse(body))
-        except BaseException:
-            self.metrics.disconnects.labels(self.metrics.model).inc()
-            raise
+        tracker.finish("200", usage)  # before the last write: a client that saw it sees this
         await response.write(b"data: [DONE]\n\n")
-        self._count(endpoint, "200", None)
-        if usage is not None:
-            self._observe_tokens(usage.prompt_tokens, usage.completion_tokens,
-                                 usage.cached_tokens)
         return response
-
-    def _count(self, endpoint: str, status: str, usage: dict | None) -> None:
-        self.metrics.requests.labels(self.metrics.model, endpoint, status).inc()
-        if usage is not None:
-            self._observe_tokens(usage["prompt_tokens"], usage["completion_tokens"],
-                                 usage["prompt_tokens_details"]["cached_tokens"])
-
-    def _observe_tokens(self, prompt: int, completion: int, cached: int) -> None:
-        m = self.metrics
-        m.input_tokens.labels(m.model).observe(prompt)
-        m.output_tokens.labels(m.model).observe(completion)
-        m.cached_tokens.labels(m.model).inc(cached)
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.frontend.model

@@ -2,13 +2,16 @@
 (the request becomes an OpenAI body and goes through parse_request)."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
 
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
+from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
 from tandem.frontend.openai_request import Kind, parse_request
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
@@ -66,8 +69,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.frontend = frontend
         self.draining = draining
 
-    async def Generate(self, request: pb.InferenceRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.InferenceChunk]:
+    async def Generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncGenerator[pb.InferenceChunk, None]:
+        tracker = self.frontend.pipeline.metrics.track("grpc_generate")
+        status, usage = CLIENT_CLOSED, None  # until it ends otherwise
+        try:
+            async with aclosing(self._generate(request, context, tracker)) as chunks:
+                async for chunk in chunks:
+                    usage = chunk.usage if chunk.HasField("usage") else usage
+                    yield chunk
+            status = "200"
+        except Exception as exc:
+            status = str(http_error(exc)[0])  # as the REST API would answer
+            raise
+        finally:
+            tracker.finish(status, convert.usage_from_pb(usage) if usage is not None else None)
+
+    async def _generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext,
+                        tracker: RequestTracker) -> AsyncGenerator[pb.InferenceChunk, None]:
         if self.draining.active:
             raise Unavailable("the frontend is draining")
         body, kind = openai_body(request)
@@ -79,6 +98,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         sent_metadata = False
         try:
             async for delta in deltas:
+                tracker.first_token()
                 if not sent_metadata and delta.worker is not None:
                     await context.send_initial_metadata((
                         ("x-tandem-decode-worker", delta.worker.worker_id),

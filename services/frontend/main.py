@@ -17,8 +17,8 @@ from tandem.frontend.pipeline import Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
+from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
-from tandem.runtime import logs, loop
 from tandem.runtime.clients import DecodeClients, PrefillClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import inference_pb2_grpc
@@ -75,8 +75,10 @@ def build_frontend(config: FrontendConfig
 
 async def serve(config: FrontendConfig) -> None:
     logs.setup("frontend", config.log_level)
+    tracing.setup("frontend")
     log.info("config", extra={"config": config_lib.as_dict(config)})
     frontend, router, decode, prefill = build_frontend(config)
+    build_info.register(frontend.pipeline.metrics.registry, "frontend")
     grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s),
                                ["tandem.v1.Inference"])
     inference_pb2_grpc.add_InferenceServicer_to_server(

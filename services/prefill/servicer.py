@@ -8,7 +8,7 @@ import grpc
 from tandem.engines.base import Engine
 from tandem.engines.types import EngineRequest
 from tandem.errors import InvalidRequest, Unavailable
-from tandem.runtime import convert
+from tandem.runtime import convert, tracing
 from tandem.runtime.server import Draining
 from tandem.v1 import prefill_pb2 as pb
 from tandem.v1 import prefill_pb2_grpc
@@ -39,6 +39,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             embeddings=tuple(convert.embedding_from_pb(e) for e in request.embeddings))
         lease_ms = request.lease_ms if request.HasField("lease_ms") else self.default_lease_ms
         result = await self.engine.prefill(engine_req, lease_ms)
+        tracing.annotate({tracing.INPUT_TOKENS: len(request.token_ids),
+                          "tandem.cached_tokens": result.cached_tokens})
         response = pb.PrefillResponse(first_token=convert.logprob_to_pb(result.first_token),
                                       cached_tokens=result.cached_tokens,
                                       finish_reason=convert.finish_to_pb(result.finish_reason))

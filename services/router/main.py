@@ -16,8 +16,8 @@ from tandem.routing.grid import GridConfig
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router
 from tandem.routing.workers import WorkerState
+from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
-from tandem.runtime import logs, loop
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
 
@@ -82,11 +82,13 @@ class Membership:
 
 async def serve(config: RouterConfig) -> None:
     logs.setup("router", config.log_level)
+    tracing.setup("router")
     log.info("config", extra={"config": config_lib.as_dict(config)})
     router = build_router(config)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
                           ["tandem.v1.Router"])
     metrics = RouterMetrics()
+    build_info.register(metrics.registry, "router")
     metrics.watch_index(lambda: {w.worker_id: (router.index.num_blocks_of(w.worker_id),
                                                w.active_requests)
                                  for w in router.all_workers()})

@@ -9,6 +9,7 @@ from tandem.errors import Unavailable
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.workers import SlaHints, WorkerRef
+from tandem.runtime import tracing
 from tandem.v1 import router_pb2 as pb
 from tandem.v1 import router_pb2_grpc
 
@@ -50,6 +51,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.metrics.unroutable.inc()
             raise
         self.metrics.observe(decision, time.perf_counter() - start)
+        if tracing.is_enabled():
+            pick = decision.decode_workers[0]
+            tracing.annotate({"tandem.route.decode_worker": pick.worker_id,
+                              "tandem.route.pool": pick.pool,
+                              "tandem.route.disaggregate": decision.disaggregate,
+                              "tandem.route.overlap_blocks": decision.overlap_blocks})
         return pb.RouteResponse(decode_workers=[_ref(w) for w in decision.decode_workers],
                                 prefill_workers=[_ref(w) for w in decision.prefill_workers],
                                 encode_workers=[_ref(w) for w in decision.encode_workers],

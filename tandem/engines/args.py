@@ -46,6 +46,9 @@ class EngineArgs:
     debug_kv_checksums: bool = False
     #: Reuse cached KV blocks across requests with the same prefix.
     enable_prefix_caching: bool = True
+    #: Reference engine, vision-language models: bytes of image embeddings kept by content hash
+    #: so that a repeated image skips the vision encoder (0: no cache).
+    encoder_cache_bytes: int = 256 * 1024 * 1024
     #: Seed for engine-chosen randomness.
     seed: int = 0
     # ---- TensorRT-LLM engine (flag names follow Dynamo's TensorRT-LLM worker) ----------------

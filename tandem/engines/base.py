@@ -17,10 +17,13 @@ from tandem.engines.types import (
     KvHandle,
     KvLayout,
     PrefillResult,
+    TransferRecord,
 )
 from tandem.errors import Unimplemented
 
 EventSink = Callable[[Sequence[KvEvent]], object]
+#: Told of every KV read as it ends, inside the reading request's context (contextvars).
+TransferObserver = Callable[[TransferRecord], None]
 
 
 class Engine(ABC):
@@ -113,6 +116,11 @@ class Engine(ABC):
     def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:  # noqa: B027
         """How this engine tells a prefill worker it is done with a lease (Prefill.Release);
         backends whose transfers free the peer's blocks themselves ignore it."""
+
+    def set_transfer_observer(self, observer: TransferObserver) -> None:  # noqa: B027
+        """Who hears of each KV read this engine makes (metrics, traces). The observer runs in
+        the context (contextvars) of the call that admitted the request. Backends whose reads
+        happen out of sight (TensorRT-LLM's cache transceiver) ignore it."""
 
     def debug_checksums(self) -> Mapping[tuple[str, str], str]:
         """(direction, request id) -> checksum of KV blocks leased or received, oldest first;

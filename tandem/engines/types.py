@@ -128,13 +128,36 @@ class NixlTensorRef:
 
 @dataclass(frozen=True, slots=True)
 class Embedding:
-    """Embeddings of one multimodal item, placed at its placeholder tokens."""
+    """One multimodal item of a prompt, placed at its placeholder tokens, in one of two forms:
+
+    - encoded: `dtype` is an element type ("float32", "bfloat16", "float16"), `shape` is
+      (num_tokens, hidden_size) and `data` the row-major tensor bytes or a NIXL reference;
+    - not yet encoded (no encode worker ran; the aggregated fallback): `dtype` is the image's
+      MIME type ("image/png", "image/jpeg", "image/webp"), `shape` is (num_tokens,) and `data`
+      the image file's bytes. The engine that computes the placeholder tokens runs its own vision
+      encoder over it.
+
+    `content_hash` is the hex SHA-256 of the image file (tandem.multimodal.image.content_hash)
+    in both forms, so both give the same KV block hashes.
+    """
 
     content_hash: str
     shape: tuple[int, ...]
     dtype: str
     data: bytes | NixlTensorRef
     placeholder_offset: int = 0
+
+    @property
+    def is_image(self) -> bool:
+        """True for an image not yet encoded (`dtype` is a MIME type)."""
+        return self.dtype.startswith("image/")
+
+    @property
+    def num_tokens(self) -> int:
+        """Placeholder tokens the item covers (one for a shapeless item)."""
+        if self.is_image:
+            return self.shape[0] if self.shape else 1
+        return self.shape[-2] if len(self.shape) >= 2 else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +237,24 @@ class EngineStats:
     kv_bytes_received: int = 0
     kv_transfers_ok: int = 0
     kv_transfers_failed: int = 0
+    #: Engines with a vision encoder: images encoded, those answered from the encoder cache
+    #: (by content hash), and images in that cache now.
+    num_encoded_images: int = 0
+    encode_cache_hits: int = 0
+    encode_cache_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One KV read by a decode worker, as its engine reports it when the read ends."""
+
+    request_id: str
+    #: The prefill worker the KV came from.
+    source_worker_id: str
+    #: Bytes read (0 when the read failed).
+    num_bytes: int
+    #: Wall-clock start, ns since the epoch; and how long the read took, seconds.
+    start_unix_ns: int
+    duration_s: float
+    #: Why the read failed (lease expired, transfer error); None: it completed.
+    error: str | None = None

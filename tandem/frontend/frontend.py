@@ -11,6 +11,7 @@ from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.pipeline import GenerationRequest, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.routing.workers import SlaHints
+from tandem.runtime import tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,11 @@ class Frontend:
         if parsed.model != self.model.name:
             raise ModelNotFound(f"model '{parsed.model}' does not exist; this deployment serves "
                                 f"'{self.model.name}'", param="model")
-        prompt = self.prompt_token_ids(parsed)
+        tracing.annotate({tracing.MODEL: parsed.model, tracing.OPERATION:
+                          "chat" if parsed.kind == "chat" else "text_completion"})
+        with tracing.span("tokenize") as span:
+            prompt = self.prompt_token_ids(parsed)
+            span.set_attribute(tracing.INPUT_TOKENS, len(prompt))
         limit = self.model.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this model's context is "

@@ -2,21 +2,31 @@
 Buckets span LLM latencies: milliseconds for ITL, up to minutes for whole requests."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.engines.types import Usage
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                     60, 120, 300)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+#: The `status` of a request whose client went away before the answer was complete (nginx's
+#: "client closed request").
+CLIENT_CLOSED = "499"
 
 
 class FrontendMetrics:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ("model",)
-        self.requests = Counter("tandem_frontend_requests", "Requests by endpoint and status",
+        self.requests = Counter("tandem_frontend_requests", "Requests by endpoint and status "
+                                "(the HTTP status; 499: the client left)",
                                 ("model", "endpoint", "status"), registry=r)
         self.in_flight = Gauge("tandem_frontend_inflight_requests", "Requests being served",
                                labels, registry=r)
+        self.queued = Gauge("tandem_frontend_queued_requests", "Requests not yet answered with "
+                            "a first token (tokenizing, routing, prefilling)", labels, registry=r)
         self.ttft = Histogram("tandem_frontend_time_to_first_token_seconds", "TTFT", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_frontend_inter_token_latency_seconds",
@@ -29,19 +39,64 @@ class FrontendMetrics:
         self.output_tokens = Histogram("tandem_frontend_output_sequence_tokens",
                                        "Generated tokens", labels, buckets=_TOKEN_BUCKETS,
                                        registry=r)
+        self.output_tokens_total = Counter("tandem_frontend_output_tokens", "Generated tokens, "
+                                           "counted as they stream", labels, registry=r)
         self.cached_tokens = Counter("tandem_frontend_cached_tokens", "Prompt tokens served "
                                      "from the prefix cache", labels, registry=r)
         self.disconnects = Counter("tandem_frontend_client_disconnects",
                                    "Clients that went away mid-request", labels, registry=r)
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
+        self._streamed = self.output_tokens_total.labels(model)
         self.model = model
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
+        self._streamed.inc(num_tokens)
         if ttft_s is not None:
             self._ttft.observe(ttft_s)
         elif num_tokens:
             self._itl.observe(gap_s / num_tokens)
 
+    def track(self, endpoint: str) -> RequestTracker:
+        """Starts accounting for one request that just arrived."""
+        return RequestTracker(self, endpoint)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """One request's share of the metrics: in flight (and queued until its first token) from
+    arrival to `finish`, which counts it by status and observes its duration and tokens."""
+
+    def __init__(self, metrics: FrontendMetrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.started = time.perf_counter()
+        self._is_queued = True
+        self._is_done = False
+        metrics.in_flight.labels(metrics.model).inc()
+        metrics.queued.labels(metrics.model).inc()
+
+    def first_token(self) -> None:
+        """The answer started: the request leaves the queue."""
+        if self._is_queued:
+            self._is_queued = False
+            self.metrics.queued.labels(self.metrics.model).dec()
+
+    def finish(self, status: str, usage: Usage | None = None) -> None:
+        """Counts the request once, whatever the path that ended it."""
+        if self._is_done:
+            return
+        self._is_done = True
+        self.first_token()
+        m, model = self.metrics, self.metrics.model
+        m.in_flight.labels(model).dec()
+        m.duration.labels(model).observe(time.perf_counter() - self.started)
+        m.requests.labels(model, self.endpoint, status).inc()
+        if status == CLIENT_CLOSED:
+            m.disconnects.labels(model).inc()
+        if usage is not None:
+            m.input_tokens.labels(model).observe(usage.prompt_tokens)
+            m.output_tokens.labels(model).observe(usage.completion_tokens)
+            m.cached_tokens.labels(model).inc(usage.cached_tokens)

@@ -29,6 +29,7 @@ from tandem.errors import DeadlineExceeded, Overloaded, Unavailable, UpstreamErr
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
+from tandem.runtime import tracing
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +112,18 @@ class Pipeline:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
         outcome, produced = "error", 0
+        start = time.perf_counter()  # TTFT counts routing and prefill too
         try:
             # Inside the try: a client gone during Route must still release what it counted.
             decision = await self.router.route(req.request_id, req.prompt_token_ids,
                                                req.sampling.max_tokens, req.sla,
                                                timeout_s=req.remaining_s())
-            async with aclosing(self._stream(req, decision)) as deltas:
+            async with aclosing(self._stream(req, decision, start)) as deltas:
                 async for delta in deltas:
                     produced += len(delta.token_ids)
+                    if delta.usage is not None:  # on the request's span (the consumer's)
+                        tracing.annotate({tracing.INPUT_TOKENS: delta.usage.prompt_tokens,
+                                          tracing.OUTPUT_TOKENS: delta.usage.completion_tokens})
                     yield delta
             outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -127,13 +132,14 @@ class Pipeline:
         finally:
             self.router.report_completion(req.request_id, outcome, produced)
 
-    async def _stream(self, req: GenerationRequest,
-                      decision: RouteDecision) -> AsyncGenerator[Delta, None]:
+    async def _stream(self, req: GenerationRequest, decision: RouteDecision,
+                      start: float) -> AsyncGenerator[Delta, None]:
         """Prefills when the router disaggregates, then streams from the decode pick."""
-        start = time.perf_counter()
         prefilled = await self._prefill(req, decision) if decision.disaggregate else None
         if prefilled is not None and prefilled.kv_handle is None:
-            yield self._answered_by_prefill(req, prefilled, decision.prefill_workers[0])
+            delta = self._answered_by_prefill(req, prefilled, decision.prefill_workers[0])
+            self.metrics.observe_chunk(time.perf_counter() - start, 0.0, len(delta.token_ids))
+            yield delta
             return
         started = False
         try:

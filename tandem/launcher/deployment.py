@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from tandem.engines.args import EngineArgs
+from tandem.errors import InvalidRequest
 from tandem.runtime import config as config_lib
 
 
@@ -59,6 +60,9 @@ class Deployment:
     grid_config: str = ""
     #: Router's Prometheus /metrics port; 0: none.
     router_metrics_port: int = 0
+    #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
+    #: listed; without `pools`: the decode workers, then the prefill workers); empty: none.
+    worker_metrics_ports: list[int] = field(default_factory=list)
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
     #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
@@ -121,6 +125,12 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
         "--engine", d.engine, *model, *common, *engine_flags, *pool.worker_flags))
         for pool in pools(d) for i, port in enumerate(pool.ports)]
+    if d.worker_metrics_ports:
+        if len(d.worker_metrics_ports) != len(workers):
+            raise InvalidRequest(f"worker_metrics_ports lists {len(d.worker_metrics_ports)} "
+                                 f"ports for {len(workers)} workers", param="worker_metrics_ports")
+        for worker, metrics_port in zip(workers, d.worker_metrics_ports):
+            worker.argv.extend(["--metrics-port", str(metrics_port)])
     router_file = workdir / "router.yaml"
     router_file.write_text(yaml.safe_dump(router_config(d)))
     router = ServiceProcess("router", f"{d.host}:{d.router_port}", _serve(

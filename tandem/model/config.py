@@ -43,7 +43,7 @@ class ModelConfig:
             hidden_size=hidden,
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
             dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
-                      or "bfloat16"),
+                      or raw.get("dtype") or "bfloat16"),
             eos_token_ids=_eos_ids(root, raw, text),
         )
 

@@ -86,7 +86,7 @@ def write_tiny_model(path: str | pathlib.Path, family: str, seed: int = 0, *,
     config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(seed)  # whatever transformers' own init draws is then fixed too
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize(model, seed)
 
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def write_tiny_model(path: str | pathlib.Path, family: str, seed: int = 0, *,
     return root
 
 
-def _randomize(model: Any, seed: int) -> None:
+def randomize(model: Any, seed: int) -> None:
     """Redraw every parameter from `seed` in name order (independent of module order)."""
     import torch
 
@@ -104,9 +104,9 @@ def _randomize(model: Any, seed: int) -> None:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
+            if name.endswith(".bias"):  # LayerNorm biases too (RMSNorm has none)
                 param.copy_(0.1 * noise)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(WEIGHT_STD * noise)

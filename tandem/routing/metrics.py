@@ -37,7 +37,8 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("tandem_router_decisions", "Requests routed, by pool and worker",
+        self.decisions = Counter("tandem_router_decisions", "Workers handed out, by pool and "
+                                 "worker (a disaggregated request counts in both its pools)",
                                  ("pool", "worker"), registry=r)
         self.overlap_blocks = Histogram("tandem_router_overlap_blocks",
                                         "Prompt blocks already cached on the chosen worker",
@@ -53,7 +54,12 @@ class RouterMetrics:
         self.registry.register(IndexCollector(counts))
 
     def observe(self, decision: RouteDecision, seconds: float) -> None:
+        """Counts the decode pick and, when disaggregated, the prefill pick (in its pool). The
+        overlap is that of the worker that computes the prompt: the prefill pick, if any."""
         pick = decision.decode_workers[0]
         self.decisions.labels(pick.pool, pick.worker_id).inc()
+        if decision.disaggregate:
+            pick = decision.prefill_workers[0]
+            self.decisions.labels(pick.pool, pick.worker_id).inc()
         self.overlap_blocks.labels(pick.pool).observe(decision.overlap_blocks)
         self.latency.observe(seconds)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from contextlib import AbstractContextManager
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from tandem.engines.types import EngineRequest, KvHandle, PrefillResult, TokenChunk
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
-from tandem.runtime import convert, status
+from tandem.runtime import convert, status, tracing
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.v1 import (
     decode_pb2,
@@ -30,6 +32,13 @@ _OUTCOMES = {"ok": router_pb2.OUTCOME_OK, "error": router_pb2.OUTCOME_ERROR,
 
 def _ref(msg: router_pb2.WorkerRef) -> WorkerRef:
     return WorkerRef(msg.worker_id, msg.address, msg.pool)
+
+
+def _client_span(service: str, method: str, address: str) -> AbstractContextManager[Span]:
+    """A client span for one call (its context goes out in the metadata: tracing.inject)."""
+    return tracing.span(f"tandem.v1.{service}/{method}", SpanKind.CLIENT, {
+        "rpc.system": "grpc", "rpc.service": f"tandem.v1.{service}", "rpc.method": method,
+        "server.address": address}, current=False)
 
 
 class RouterClient:
@@ -76,15 +85,17 @@ class RouterClient:
         if sla.priority is not None:
             request.priority = sla.priority
         timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
-        try:
-            reply = await self._stub.Route(request, timeout=timeout,
-                                           metadata=((REQUEST_ID_KEY, request_id),))
-        except BaseException as exc:
-            # The router may not have read them: report those completions again (idempotent).
-            self._requeue(completed)
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise status.from_rpc_error(exc, f"router {self.address}") from None
-            raise
+        with _client_span("Router", "Route", self.address) as span:
+            try:
+                reply = await self._stub.Route(request, timeout=timeout, metadata=(
+                    (REQUEST_ID_KEY, request_id), *tracing.inject(span)))
+            except BaseException as exc:
+                # The router may not have read them: report those completions again
+                # (idempotent).
+                self._requeue(completed)
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise status.from_rpc_error(exc, f"router {self.address}") from None
+                raise
         return RouteDecision(decode_workers=tuple(_ref(w) for w in reply.decode_workers),
                              prefill_workers=tuple(_ref(w) for w in reply.prefill_workers),
                              encode_workers=tuple(_ref(w) for w in reply.encode_workers),
@@ -163,11 +174,12 @@ class PrefillClients(_Channels):
             request_id=request.request_id, token_ids=request.prompt_token_ids,
             sampling=convert.sampling_to_pb(request.sampling))
         stub = prefill_pb2_grpc.PrefillStub(self.channel(address))
-        try:
-            reply = await stub.Prefill(message, timeout=timeout_s,
-                                       metadata=((REQUEST_ID_KEY, request.request_id),))
-        except grpc.aio.AioRpcError as exc:
-            raise status.from_rpc_error(exc, f"prefill worker {address}") from None
+        with _client_span("Prefill", "Prefill", address) as span:
+            try:
+                reply = await stub.Prefill(message, timeout=timeout_s, metadata=(
+                    (REQUEST_ID_KEY, request.request_id), *tracing.inject(span)))
+            except grpc.aio.AioRpcError as exc:
+                raise status.from_rpc_error(exc, f"prefill worker {address}") from None
         return PrefillResult(
             convert.logprob_from_pb(reply.first_token),
             convert.kv_handle_from_pb(reply.kv_handle) if reply.HasField("kv_handle") else None,
@@ -182,9 +194,11 @@ class PrefillClients(_Channels):
     async def _release(self, handle: KvHandle) -> None:
         stub = prefill_pb2_grpc.PrefillStub(self.channel(handle.worker_address))
         try:
+            # Started in the caller's context: the Release span joins the request's trace.
             await stub.Release(prefill_pb2.ReleaseRequest(request_id=handle.request_id),
                                timeout=self.RELEASE_TIMEOUT_S,
-                               metadata=((REQUEST_ID_KEY, handle.request_id),))
+                               metadata=((REQUEST_ID_KEY, handle.request_id),
+                                         *tracing.inject(tracing.current_span())))
         except grpc.aio.AioRpcError as exc:
             log.warning("lease release failed; it will expire", extra={
                 "request_id": handle.request_id, "worker": handle.worker_address,
@@ -211,17 +225,19 @@ class DecodeClients(_Channels):
         if request.kv_handle is not None and request.first_token is not None:
             message.kv_handle.CopyFrom(convert.kv_handle_to_pb(request.kv_handle))
             message.first_token.CopyFrom(convert.logprob_to_pb(request.first_token))
-        call = self._stub(address).Generate(
-            message, timeout=timeout_s, metadata=((REQUEST_ID_KEY, request.request_id),))
-        try:
-            async for msg in call:
-                yield TokenChunk(
-                    list(msg.token_ids),
-                    [convert.logprob_from_pb(lp) for lp in msg.logprobs] if msg.logprobs else [],
-                    convert.finish_from_pb(msg.finish_reason),
-                    convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-                    msg.cached_tokens if msg.HasField("cached_tokens") else None)
-        except grpc.aio.AioRpcError as exc:
-            raise status.from_rpc_error(exc, f"decode worker {address}") from None
-        finally:
-            call.cancel()
+        with _client_span("Decode", "Generate", address) as span:
+            call = self._stub(address).Generate(message, timeout=timeout_s, metadata=(
+                (REQUEST_ID_KEY, request.request_id), *tracing.inject(span)))
+            try:
+                async for msg in call:
+                    yield TokenChunk(
+                        list(msg.token_ids),
+                        [convert.logprob_from_pb(lp) for lp in msg.logprobs]
+                        if msg.logprobs else [],
+                        convert.finish_from_pb(msg.finish_reason),
+                        convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None,
+                        msg.cached_tokens if msg.HasField("cached_tokens") else None)
+            except grpc.aio.AioRpcError as exc:
+                raise status.from_rpc_error(exc, f"decode worker {address}") from None
+            finally:
+                call.cancel()

@@ -1,4 +1,5 @@
-"""Structured (JSON lines) logging with the current request id attached to every record."""
+"""Structured (JSON lines) logging with the current request id (and trace id, when tracing is on)
+attached to every record."""
 from __future__ import annotations
 
 import contextvars
@@ -6,6 +7,8 @@ import json
 import logging
 import sys
 import time
+
+from tandem.runtime import tracing
 
 #: The request being served by the current task; set by the interceptor and the frontend.
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -30,6 +33,9 @@ class JsonFormatter(logging.Formatter):
         request_id = request_id_var.get()
         if request_id is not None:
             entry["request_id"] = request_id
+        trace_id = tracing.trace_id()
+        if trace_id is not None:
+            entry["trace_id"] = trace_id
         entry.update({k: v for k, v in vars(record).items() if k not in _RESERVED})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

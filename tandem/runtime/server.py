@@ -1,15 +1,20 @@
 """gRPC server bootstrap shared by every Tandem service.
 
 Standard health (grpc.health.v1) and reflection, the error interceptor, message-size limits, and
-shutdown in this order on SIGTERM/SIGINT: health NOT_SERVING -> stop accepting -> drain in-flight
-RPCs within the grace period -> run the service's close hooks (engine last).
+shutdown in this order on SIGTERM/SIGINT: health NOT_SERVING -> refuse new work -> drain in-flight
+RPCs within the grace period -> stop the server -> run the service's close hooks (engine last).
+
+While draining, the server still takes calls so that servicers refuse new work with UNAVAILABLE
+(a clean, retryable answer); a server already stopping would reset them (CANCELLED or
+UNAVAILABLE, depending on timing).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +26,8 @@ from tandem.runtime.interceptor import ErrorInterceptor
 
 log = logging.getLogger(__name__)
 CloseHook = Callable[[], Awaitable[None]]
+#: What calls still open after the drain get before the server cancels them.
+STOP_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,10 +40,33 @@ class ServerOptions:
 
 
 class Draining:
-    """A flag servicers check to refuse new work once shutdown began (UNAVAILABLE)."""
+    """A flag servicers check to refuse new work once shutdown began (UNAVAILABLE), and the
+    count of request RPCs in flight that shutdown waits for."""
 
     def __init__(self) -> None:
         self.active = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        self.num_in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+            if not self.num_in_flight:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when no request RPC is in flight (now or within `timeout_s`)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
 
 
 class GrpcService:
@@ -58,7 +88,8 @@ class GrpcService:
                   # Let routers keep long-lived streams alive with pings (see the watcher).
                   ("grpc.keepalive_permit_without_calls", 1),
                   ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=limits)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.draining)],
+                                      options=limits)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -112,10 +143,14 @@ class GrpcService:
         log.info("draining", extra={"grace_s": self.options.grace_s})
         self.draining.active = True
         await self.health.close()
-        # stop() refuses new RPCs at once and waits up to grace_s for the running ones; other
-        # listeners drain at the same time, so the whole drain fits one grace period.
-        await asyncio.gather(self.server.stop(self.options.grace_s),
-                             *(hook() for hook in self._drain_hooks))
+        # Other listeners drain at the same time, so the whole drain fits one grace period.
+        drained, *_ = await asyncio.gather(self.draining.wait_idle(self.options.grace_s),
+                                           *(hook() for hook in self._drain_hooks))
+        if not drained:
+            log.warning("grace period over; cancelling what still runs",
+                        extra={"in_flight": self.draining.num_in_flight})
+        # Long-lived streams (health watches, KV event subscriptions) end here.
+        await self.server.stop(STOP_GRACE_S)
         for hook in self._close_hooks:
             await hook()
         log.info("stopped")

@@ -13,15 +13,15 @@ from prometheus_client import start_http_server
 
 from tandem.engines.base import Engine
 from tandem.engines.registry import create_engine
-from tandem.engines.types import EngineStats
+from tandem.engines.types import EngineStats, TransferRecord
 from tandem.kv.event_log import EventLog
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
-from tandem.runtime import logs
+from tandem.runtime import logs, tracing
 from tandem.runtime.clients import PrefillClients
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.runtime.worker_metrics import worker_registry
+from tandem.runtime.worker_metrics import WorkerMetrics
 from tandem.v1 import kv_events_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,23 @@ class Worker:
 AddServicers = Callable[[Worker], None]
 
 
+def _transfer_observer(metrics: WorkerMetrics | None) -> Callable[[TransferRecord], None]:
+    """Each KV read as a latency observation and a span (in its request's trace)."""
+    def observe(record: TransferRecord) -> None:
+        if metrics is not None:
+            metrics.observe_transfer(record)
+        tracing.record("kv_transfer", record.start_unix_ns,
+                       record.start_unix_ns + int(record.duration_s * 1e9),
+                       {"tandem.kv.source_worker": record.source_worker_id,
+                        "tandem.kv.bytes": record.num_bytes}, record.error)
+    return observe
+
+
 async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddServicers,
                      service_names: list[str]) -> None:
     """Builds the engine and server for `stage`, serves until SIGTERM, then drains."""
     logs.setup(f"{stage}", config.log_level)
+    tracing.setup(stage)
     if not config.engine_args.model:
         demo = ensure_demo_model()
         config = dataclasses.replace(
@@ -53,6 +66,7 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
         # Before start: TensorRT-LLM sizes its event buffer when the engine is built.
         engine.set_event_sink(event_log.append)
     await engine.start()
+    metrics: WorkerMetrics | None = None
     if config.metrics_port:
         loop = asyncio.get_running_loop()
 
@@ -63,8 +77,10 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
             # Scrapes come on the HTTP server's thread; the engine's state belongs to the loop.
             return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
 
-        start_http_server(config.metrics_port, config.host,
-                          registry=worker_registry(config.identity, stats_on_loop))
+        metrics = WorkerMetrics(config.identity, stats_on_loop, stage)
+        start_http_server(config.metrics_port, config.host, registry=metrics.registry)
+    if metrics is not None or tracing.is_enabled():
+        engine.set_transfer_observer(_transfer_observer(metrics))
     # Decode side of disaggregation: leases on prefill workers are released once read.
     prefill_clients = PrefillClients()
     engine.set_lease_releaser(prefill_clients.release)

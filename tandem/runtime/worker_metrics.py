@@ -1,14 +1,16 @@
-"""A worker's Prometheus metrics, read from the engine's stats at scrape time (nothing on the
-request path): running/waiting requests, KV blocks, prefix-cache hit rate, leases, transfers."""
+"""A worker's Prometheus metrics. Most are read from the engine's stats at scrape time (nothing
+on the request path): running/waiting requests, KV blocks, prefix-cache hit rate, leases,
+transfers, encoded images. KV read latencies are observed as each read ends."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tandem.engines.types import EngineStats
+from tandem.engines.types import EngineStats, TransferRecord
+from tandem.runtime import build_info
 
 #: (name, help, EngineStats field) of the gauges.
 _GAUGES = (
@@ -21,6 +23,7 @@ _GAUGES = (
      "prefix_cache_hit_rate"),
     ("tandem_kv_leases", "Prefill leases held for decode workers", "kv_leases"),
     ("tandem_kv_loading_requests", "Requests whose KV is being read", "num_loading"),
+    ("tandem_encode_cache_images", "Images in the encoder cache", "encode_cache_size"),
 )
 #: (name without _total, help, EngineStats field) of the counters.
 _COUNTERS = (
@@ -30,7 +33,13 @@ _COUNTERS = (
      "kv_transfers_failed"),
     ("tandem_kv_lease_expiries", "Prefill leases that ran out before release",
      "kv_lease_expiries"),
+    ("tandem_encode_images", "Images the encoder ran on", "num_encoded_images"),
+    ("tandem_encode_cache_hits", "Images answered from the encoder cache (by content hash)",
+     "encode_cache_hits"),
 )
+#: KV reads: sub-millisecond (shared memory, NVLink) to tens of seconds (long prompts over TCP).
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                     5, 10, 30, 60)
 
 
 class EngineCollector(Collector):
@@ -50,7 +59,18 @@ class EngineCollector(Collector):
             yield counter
 
 
-def worker_registry(worker_id: str, stats: Callable[[], EngineStats]) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(worker_id, stats))
-    return registry
+class WorkerMetrics:
+    """The registry a worker's --metrics-port serves."""
+
+    def __init__(self, worker_id: str, stats: Callable[[], EngineStats], stage: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(worker_id, stats))
+        self._transfer_seconds = Histogram(
+            "tandem_kv_transfer_seconds", "Time to read a request's KV from a prefill worker "
+            "(completed reads)", ("worker",), buckets=_TRANSFER_BUCKETS,
+            registry=self.registry).labels(worker_id)
+        build_info.register(self.registry, stage)
+
+    def observe_transfer(self, record: TransferRecord) -> None:
+        if record.error is None:
+            self._transfer_seconds.observe(record.duration_s)

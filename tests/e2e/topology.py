@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -50,9 +51,10 @@ class Topology:
         return self.process.wait(timeout=60)
 
 
-def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0) -> Topology:
+def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0,
+                   env: Mapping[str, str] | None = None) -> Topology:
     """Runs `tandem up` on free ports and returns once it printed its READY line; with
-    `num_prefill`, disaggregated (`--disagg`)."""
+    `num_prefill`, disaggregated (`--disagg`); `env` adds to the environment of every service."""
     http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill)
     decode, prefill = workers[:num_decode], workers[num_decode:]
     disagg = ["--disagg", "--prefill-ports", *map(str, prefill)] if prefill else []
@@ -60,7 +62,7 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0) -> To
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
                       "--grace-period-s", "5", *disagg, *extra)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     ready = _read_ready_line(proc)
     fields = dict(item.split("=", 1) for item in ready.split()[1:])
     # Keep draining stdout so the launcher never blocks on a full pipe.

@@ -37,7 +37,7 @@ from tandem.routing.config import RouterConfig
 from tandem.routing.metrics import RouterMetrics
 from tandem.runtime import loop
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.runtime.worker_metrics import worker_registry
+from tandem.runtime.worker_metrics import WorkerMetrics
 from tandem.v1 import inference_pb2, router_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -469,7 +469,7 @@ def _metric_names() -> set[str]:
     histograms as *_bucket/_sum/_count), without observing anything."""
     router = RouterMetrics()
     router.watch_index(dict)
-    workers = worker_registry("w", _ZeroStats)
+    workers = WorkerMetrics("w", _ZeroStats, "decode").registry
     names = set()
     for registry in (FrontendMetrics("m").registry, router.registry, workers):
         for family in registry.collect():

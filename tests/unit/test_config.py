@@ -96,6 +96,20 @@ def test_multi_pool_deployment(tmp_path: pathlib.Path) -> None:
     assert routed["grid_config"] == str(grid.resolve())
 
 
+def test_worker_metrics_ports_go_to_the_workers_in_start_order(tmp_path: pathlib.Path) -> None:
+    d = config_lib.load(Deployment, ["--disagg", "--decode-ports", "9200", "9201",
+                                     "--prefill-ports", "9300", "--worker-metrics-ports",
+                                     "9400", "9401", "9402"], prog="t")
+    procs = processes(d, tmp_path)
+    ports = {p.name: p.argv[p.argv.index("--metrics-port") + 1] for p in procs
+             if "--metrics-port" in p.argv}
+    assert ports == {"decode-0": "9400", "decode-1": "9401", "prefill-0": "9402"}
+    with pytest.raises(InvalidRequest, match="2 ports for 3 workers"):
+        processes(config_lib.load(Deployment, [
+            "--disagg", "--decode-ports", "9200", "9201", "--worker-metrics-ports", "1", "2"],
+            prog="t"), tmp_path)
+
+
 def test_shipped_deployment_file_is_the_defaults_written_out() -> None:
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml")], prog="t")
     assert d == Deployment()

@@ -4,6 +4,7 @@ their starting free blocks and no lease left."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,13 @@ from test_mock_engine import collect, prompt
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.mock.engine import MockEngine, create_mock_engine
-from tandem.engines.types import EngineRequest, FinishReason, KvHandle, SamplingParams
+from tandem.engines.types import (
+    EngineRequest,
+    FinishReason,
+    KvHandle,
+    SamplingParams,
+    TransferRecord,
+)
 from tandem.errors import FailedPrecondition, InvalidRequest
 
 BS = 16
@@ -197,4 +204,30 @@ async def test_bad_handles_are_refused_before_anything_is_allocated(make_engine)
     with pytest.raises(InvalidRequest, match="KV handle"):
         await prefill.prefill(resume(handle, req("d", p), result.first_token), 1000)
     await prefill.release("a")
+    await idle(prefill, decode)
+
+
+async def test_the_transfer_observer_runs_in_the_admitting_calls_context(make_engine) -> None:
+    """The read runs in an engine task, yet its observer sees the context of the call that
+    admitted the request (its trace span, its request id), and a record per read."""
+    prefill, decode = await make_engine(), await make_engine()
+    decode.set_lease_releaser(lambda h: prefill.leases.release(h.request_id))
+    caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="engine")
+    seen: list[tuple[str, TransferRecord]] = []
+    decode.set_transfer_observer(lambda record: seen.append((caller.get(), record)))
+    p = prompt(3, 40)  # 3 blocks, the last partial
+    result = await prefill.prefill(req("t", p), lease_ms=30_000)
+    assert result.kv_handle is not None
+
+    async def serve() -> None:  # as a servicer's own task would
+        caller.set("servicer of t")
+        await collect(decode.add_request(resume(result.kv_handle, req("t", p),
+                                                result.first_token)))
+
+    await asyncio.create_task(serve())
+    ((context, record),) = seen
+    assert context == "servicer of t"
+    assert record.request_id == "t" and record.error is None
+    assert record.num_bytes == 3 * BLOCK_BYTES and record.duration_s >= 0
+    assert record.source_worker_id == result.kv_handle.worker_id
     await idle(prefill, decode)

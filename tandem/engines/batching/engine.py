@@ -12,7 +12,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine
+from tandem.engines.base import Engine, TransferObserver
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.transfers import KvLoads
@@ -239,6 +239,9 @@ class BatchingEngine(Engine):
 
     def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:
         self.loads.release_remote = releaser
+
+    def set_transfer_observer(self, observer: TransferObserver) -> None:
+        self.loads.observer = observer
 
     def debug_checksums(self) -> Mapping[tuple[str, str], str]:
         return self.loads.checksums

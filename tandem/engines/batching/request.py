@@ -1,10 +1,13 @@
 """Per-request state of a continuous-batching engine (mock and reference)."""
 from __future__ import annotations
 
+import contextvars
+
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, SamplingParams, TokenLogprob
 from tandem.kv.block_pool import BlockTable
 from tandem.kv.hashing import hash_block
+from tandem.multimodal.placeholders import mm_hashes_per_block
 
 
 class BatchRequest:
@@ -19,7 +22,8 @@ class BatchRequest:
     __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
-                 "prompt_logprobs", "kv_handle", "lease_ms", "is_loading")
+                 "prompt_logprobs", "kv_handle", "lease_ms", "is_loading", "context",
+                 "embeddings")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None) -> None:
@@ -36,6 +40,8 @@ class BatchRequest:
         #: Chained hashes of the full blocks of token_ids, extended lazily.
         self.hashes: list[int] = []
         self.mm_per_block = _mm_hashes_per_block(request, block_size)
+        #: Multimodal items placed at their placeholder tokens when those are computed.
+        self.embeddings = request.embeddings
         self.key = key
         #: Set for a disaggregated request until its first token is emitted.
         self.first_token: TokenLogprob | None = (
@@ -43,6 +49,9 @@ class BatchRequest:
         #: Where the prompt's KV is read from (disaggregated decode); None once loaded, or when
         #: the engine falls back to computing the prompt itself.
         self.kv_handle = request.kv_handle
+        #: The admitting call's context (its request id, its trace span), for the KV read
+        #: that runs later in a task of its own.
+        self.context = contextvars.copy_context() if request.kv_handle is not None else None
         #: True while its blocks are being written by a transfer: they must not be freed.
         self.is_loading = False
         #: Set for a prefill-only request: after its first token the blocks are leased this
@@ -81,19 +90,5 @@ class BatchRequest:
 
 
 def _mm_hashes_per_block(request: EngineRequest, block_size: int) -> list[tuple[str, ...]] | None:
-    """Content hashes of the multimodal items touching each block, None without items.
-
-    An item covers `shape[-2]` placeholder tokens from `placeholder_offset` (embeddings are
-    (..., tokens, hidden)); a one-dimensional shape counts as one token.
-    """
-    if not request.embeddings:
-        return None
-    num_blocks = len(request.prompt_token_ids) // block_size
-    per_block: list[list[str]] = [[] for _ in range(num_blocks)]
-    for item in request.embeddings:
-        length = item.shape[-2] if len(item.shape) >= 2 else 1
-        first = item.placeholder_offset // block_size
-        last = (item.placeholder_offset + max(length, 1) - 1) // block_size
-        for b in range(first, min(last + 1, num_blocks)):
-            per_block[b].append(item.content_hash)
-    return [tuple(hashes) for hashes in per_block]
+    """Content hashes of the multimodal items touching each block, None without items."""
+    return mm_hashes_per_block(request.embeddings, len(request.prompt_token_ids), block_size)

@@ -14,8 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from tandem.engines.base import TransferObserver
 from tandem.engines.batching.request import BatchRequest
-from tandem.engines.types import KvHandle
+from tandem.engines.types import KvHandle, TransferRecord
 from tandem.errors import FailedPrecondition, UpstreamError
 from tandem.kv.transfer import TransferError
 
@@ -41,6 +42,8 @@ class KvLoads:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Set by the worker process: releases leases on prefill workers (Prefill.Release).
         self.release_remote: LeaseReleaser | None = None
+        #: Set by the worker process: hears of every read as it ends (metrics, traces).
+        self.observer: TransferObserver | None = None
         self.num_bytes = 0
         self.num_ok = 0
         self.num_failed = 0
@@ -52,8 +55,12 @@ class KvLoads:
 
     def start(self, req: BatchRequest) -> None:
         req.is_loading = True
-        self._tasks[req.request_id] = asyncio.get_running_loop().create_task(
-            self._load(req), name=f"kv-load-{req.request_id}")
+        create = asyncio.get_running_loop().create_task
+        load, name = self._load(req), f"kv-load-{req.request_id}"
+        # In the admitting call's context (a task copies the current one): the read's logs and
+        # trace span belong to its request, not to the engine loop.
+        self._tasks[req.request_id] = (create(load, name=name) if req.context is None
+                                       else req.context.run(create, load, name=name))
 
     async def _load(self, req: BatchRequest) -> None:
         engine = self.engine
@@ -61,13 +68,16 @@ class KvLoads:
         assert handle is not None
         local = req.table.block_ids[:len(handle.block_ids)]
         error: Exception | None = None
+        started_ns, started = time.time_ns(), time.perf_counter()
+        num_bytes = 0
         try:
             left_s = handle.lease_expiry_unix_ms / 1000 - time.time() - LEASE_MARGIN_S
             if left_s <= 0:
                 raise FailedPrecondition(
                     f"the KV lease of request '{handle.request_id}' on prefill worker "
                     f"'{handle.worker_id}' expired before it could be read")
-            self.num_bytes += await engine.transfer.read(handle, local, left_s)
+            num_bytes = await engine.transfer.read(handle, local, left_s)
+            self.num_bytes += num_bytes
             self.num_ok += 1
             self.record_checksum("received", req.request_id, local)
         except (TransferError, FailedPrecondition) as exc:
@@ -83,6 +93,14 @@ class KvLoads:
             del self._tasks[req.request_id]
             if self.release_remote is not None:
                 self.release_remote(handle)
+        if self.observer is not None:
+            record = TransferRecord(req.request_id, handle.worker_id, num_bytes, started_ns,
+                                    time.perf_counter() - started,
+                                    None if error is None else str(error))
+            try:
+                self.observer(record)
+            except Exception:  # metrics or tracing must never strand the request's blocks
+                log.exception("KV transfer observer failed", extra={"request_id": req.request_id})
         self._after(req, error)
 
     def _after(self, req: BatchRequest, error: Exception | None) -> None:

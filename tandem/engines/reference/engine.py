@@ -5,31 +5,45 @@ Each step's model inputs are read from request state on the event loop; the forw
 sampling then run in a worker thread (torch releases the GIL), so streams keep flowing and new
 requests keep arriving while the model computes. Blocks freed by an abort during a step are
 reallocated only by the next schedule(), after the step, so the step may still write them.
+
+A LLaVA checkpoint adds an ImageEncoder: a prompt's multimodal items replace the token embeddings
+at their placeholder positions, chunk by chunk. Items that are images rather than embeddings
+(no encode worker ran) are encoded here, in the step that first computes their placeholders.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
+from collections.abc import Sequence
 
 import torch
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
+from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
+from tandem.engines.reference.encode_engine import (
+    ReferenceEncodeEngine,
+    create_encode_engine,
+    create_image_encoder,
+)
+from tandem.engines.reference.encoder import ImageEncoder
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
-from tandem.engines.types import EngineRequest, KvLayout, TokenLogprob
-from tandem.errors import InvalidRequest
+from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
+from tandem.errors import InvalidRequest, TandemError
 from tandem.kv.transfer import KvTransfer
 from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAX_BAD_IMAGES = 4096
 
 
 class ReferenceEngine(BatchingEngine):
@@ -37,7 +51,8 @@ class ReferenceEngine(BatchingEngine):
     accepted_backends = frozenset({"nixl"})
 
     def __init__(self, args: EngineArgs, config: ModelConfig, model: DecoderModel,
-                 kv_cache: torch.Tensor, device: torch.device) -> None:
+                 kv_cache: torch.Tensor, device: torch.device,
+                 encoder: ImageEncoder | None = None) -> None:
         num_layers, _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         max_model_len = args.max_seq_len or config.max_position_embeddings
@@ -49,6 +64,12 @@ class ReferenceEngine(BatchingEngine):
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device)
+        #: The vision side of a LLaVA model; None for a text-only one.
+        self.encoder = encoder
+        #: Images whose bytes failed to decode in a step: refused at admission from then on,
+        #: since blocks hashed with them may hold KV computed without their embeddings. Bounded:
+        #: the oldest are forgotten (a dict keeps insertion order).
+        self._bad_images: dict[str, None] = {}
         self.graphs = (None if device.type != "cuda" or args.enforce_eager else
                        DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
                                     -(-max_model_len // block_size)))
@@ -62,10 +83,62 @@ class ReferenceEngine(BatchingEngine):
         seed = request.sampling.seed
         return seed if seed is not None else secrets.randbits(63)
 
+    def _validate(self, request: EngineRequest) -> None:
+        super()._validate(request)
+        if not request.embeddings:
+            return
+        if self.encoder is None:
+            raise InvalidRequest("this model takes no images (it has no vision encoder)",
+                                 param="embeddings")
+        bad = next((e for e in request.embeddings if e.content_hash in self._bad_images), None)
+        if bad is not None:
+            raise InvalidRequest(f"image {bad.content_hash} cannot be decoded",
+                                 param="embeddings")
+        self.encoder.validate(request.embeddings, request.prompt_token_ids)
+
+    async def encode(self, images: Sequence[bytes]) -> list[Embedding]:
+        if self.encoder is None:
+            raise InvalidRequest("this model has no vision encoder", param="images")
+        return await asyncio.to_thread(self.encoder.embed, list(images))
+
+    def stats(self) -> EngineStats:
+        stats = super().stats()
+        encoder = self.encoder
+        if encoder is None:
+            return stats
+        return dataclasses.replace(stats, num_encoded_images=encoder.num_encoded,
+                                   encode_cache_hits=encoder.cache.num_hits,
+                                   encode_cache_size=len(encoder.cache))
+
+    async def _encode_step_images(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """Runs the vision encoder over the images (aggregated fallback) whose placeholders
+        this step computes; a request whose image cannot be decoded fails on its own."""
+        images = [(span.item.content_hash, span.item.data) for _, span in inputs.mm_spans
+                  if span.item.is_image and isinstance(span.item.data, bytes)]
+        if not images or self.encoder is None:
+            return {}
+        encoded, errors = await asyncio.to_thread(self.encoder.encode, images)
+        for req, span in inputs.mm_spans:
+            error = errors.get(span.item.content_hash)
+            if error is not None and not req.is_finished:
+                self._bad_images[span.item.content_hash] = None
+                if len(self._bad_images) > _MAX_BAD_IMAGES:
+                    del self._bad_images[next(iter(self._bad_images))]
+                self._fail(req, error)
+        return encoded
+
+    def _fail(self, req: BatchRequest, error: TandemError) -> None:
+        """Ends one request with an error mid-step (as abort does, with the error)."""
+        req.is_finished = True
+        self._requests.pop(req.request_id, None)
+        self.scheduler.drop(req)
+        req.stream.fail(error)
+
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         if not plan.scheduled:
             return []
         inputs = build_step_inputs(plan, self.pool.block_size, self.device)
+        encoded = await self._encode_step_images(inputs) if inputs.mm_spans else {}
         samples = [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
                                TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
                                req.stop_ids, req.key)
@@ -73,7 +146,7 @@ class ReferenceEngine(BatchingEngine):
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
         sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
-                                                      prompt_ids)
+                                                      prompt_ids, encoded)
         for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
                                                        strict=True):
             # Stored by position, so a recompute after preemption overwrites, never appends.
@@ -84,11 +157,12 @@ class ReferenceEngine(BatchingEngine):
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
-                            prompt_ids: list[list[int]],
+                            prompt_ids: list[list[int]], encoded: dict[str, torch.Tensor],
                             ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
         """Runs in a worker thread: touches tensors only, never request state."""
         shape = None
-        if self.graphs is not None and inputs.meta.is_decode_only and not inputs.prompt_spans:
+        if (self.graphs is not None and inputs.meta.is_decode_only and not inputs.prompt_spans
+                and not inputs.mm_spans):
             shape = self.graphs.buckets(*inputs.meta.block_tables.shape)
         if shape is not None and self.graphs is not None:
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, shape)
@@ -98,7 +172,12 @@ class ReferenceEngine(BatchingEngine):
             logits = logits.index_select(0, inputs.sample_rows)
             sampled = [(o.token_id, o.logprob) for o in self.sampler.sample(logits, samples)]
             return sampled, []
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        # Spans of requests failed this step are skipped: their rows keep token embeddings.
+        spans = [span for _, span in inputs.mm_spans
+                 if not span.item.is_image or span.item.content_hash in encoded]
+        embeds = self.encoder.rows(spans, encoded) if spans and self.encoder else None
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                            embeds)
         prompt_lps = [prompt_logprobs(self.model.compute_logits(hidden[row:row + count]), ids, k)
                       for (_, row, _, count, k), ids in zip(inputs.prompt_spans, prompt_ids,
                                                             strict=True)]
@@ -144,7 +223,7 @@ def _num_blocks(args: EngineArgs, bytes_per_block: int, device: torch.device) ->
     return blocks
 
 
-def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
+def create_reference_engine(args: EngineArgs) -> ReferenceEngine | ReferenceEncodeEngine:
     validate_args(args)
     if args.load_format not in ("auto", "dummy"):
         raise InvalidRequest(f"load_format must be auto or dummy, got '{args.load_format}'",
@@ -157,7 +236,10 @@ def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
             f"({config.max_position_embeddings})", param="max_seq_len")
     device = _device(args.device)
     dtype = _dtype(args.dtype, config.dtype, device)
+    if args.encode_only:  # an encode worker: the vision model alone, no language model
+        return create_encode_engine(args, config, device, dtype)
     model, spec = load_model(args.model, dtype, device, args.load_format, args.seed)
+    encoder = create_image_encoder(args, device, dtype)
     element = torch.tensor([], dtype=dtype).element_size()
     bytes_per_block = (2 * spec.num_layers * args.kv_block_size * spec.num_kv_heads
                        * spec.head_size * element)
@@ -168,4 +250,4 @@ def create_reference_engine(args: EngineArgs) -> ReferenceEngine:
     log.info("reference engine ready", extra={
         "device": str(device), "dtype": str(dtype), "kv_blocks": num_blocks,
         "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture})
-    return ReferenceEngine(args, config, model, kv_cache, device)
+    return ReferenceEngine(args, config, model, kv_cache, device, encoder)

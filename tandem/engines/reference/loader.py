@@ -11,12 +11,14 @@ import dataclasses
 import json
 import logging
 import pathlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.spec import ModelSpec
+from tandem.engines.reference.vision import LlavaVision, VisionSpec
 from tandem.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ _FUSED = {
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-class _Target(NamedTuple):
+class Target(NamedTuple):
     """Where one checkpoint tensor goes: rows [start, start + rows) of parameter `name`."""
     name: str
     start: int
@@ -69,9 +71,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
                              param="dtype")
     spec = dataclasses.replace(spec, dtype=dtype)
     files: dict[pathlib.Path, list[str]] = {}
+    rename = _text_name if spec.wrapper else _same_name
     if load_format != "dummy":
-        files = _checkpoint_index(root)
-        names = {name for file_names in files.values() for name in file_names}
+        files = checkpoint_index(root)
+        names = {rename(name) for file_names in files.values() for name in file_names}
         if not spec.tie_word_embeddings and "lm_head.weight" not in names:
             logger.info("%s has no lm_head.weight: tying it to the input embedding", root)
             spec = dataclasses.replace(spec, tie_word_embeddings=True)
@@ -83,13 +86,88 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
     model.eval().requires_grad_(False)
 
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        init_dummy(model, seed)
     else:
-        _load_safetensors(model, files, device)
+        ignored = {"lm_head.weight"} if spec.tie_word_embeddings else set()  # tied: a copy
+        load_safetensors(model, _parameter_map(model), files, device, rename, ignored,
+                         spec.architecture)
     return model, spec
 
 
-def _checkpoint_index(root: pathlib.Path) -> dict[pathlib.Path, list[str]]:
+def load_vision(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
+                load_format: str = "auto", seed: int = 0) -> LlavaVision | None:
+    """The vision tower and projector of a LLaVA checkpoint (eval mode, no grad), or None for a
+    text-only model. Raises InvalidRequest as `load_model` does."""
+    root = pathlib.Path(model_dir)
+    spec = VisionSpec.from_config(_read_config(root))
+    if spec is None:
+        return None
+    with torch.device("meta"):
+        vision = LlavaVision(spec)
+    vision = vision.to(dtype).to_empty(device=device)
+    vision.eval().requires_grad_(False)
+    if load_format == "dummy":
+        init_dummy(vision, seed)
+        return vision
+    targets = {name: Target(name, 0, param.shape[0])
+               for name, param in vision.named_parameters()}
+    files = checkpoint_index(root)
+    names = {_vision_name(n) for file_names in files.values() for n in file_names}
+    ignored = {name for name in names if name is not None and _is_unused(name, spec.num_layers)}
+    load_safetensors(vision, targets, files, device, _vision_name, ignored,
+                     "a LLaVA vision tower and projector")
+    return vision
+
+
+def _is_unused(name: str, num_layers: int) -> bool:
+    """Tower tensors LLaVA never reads: layers past the feature layer, the pooled output's
+    norm, and buffers older checkpoints saved."""
+    if name.startswith("vision_tower.post_layernorm.") or name.endswith(".position_ids"):
+        return True
+    prefix = "vision_tower.encoder.layers."
+    return name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) >= num_layers
+
+
+def _vision_name(name: str) -> str | None:
+    """A LLaVA checkpoint's vision tower or projector tensor -> LlavaVision's name; None for
+    the language model's tensors."""
+    name = name.removeprefix("model.")
+    if name.startswith("vision_tower.vision_model."):
+        return "vision_tower." + name[len("vision_tower.vision_model."):]
+    if name.startswith(("vision_tower.", "multi_modal_projector.")):
+        return name
+    return None
+
+
+def _read_config(root: pathlib.Path) -> dict[str, Any]:
+    try:
+        config: dict[str, Any] = json.loads((root / "config.json").read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"cannot read {root / 'config.json'}: {exc}",
+                             param="model") from exc
+    return config
+
+
+def _same_name(name: str) -> str | None:
+    return name
+
+
+# A LLaVA checkpoint nests the language model: "language_model.model." (transformers 4.x and
+# the Hub's llava-hf checkpoints) or "model.language_model." (transformers 5 in memory).
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's name for a language-model tensor -> the causal-LM name;
+    None for the other tensors (vision tower, projector)."""
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
+
+
+def checkpoint_index(root: pathlib.Path) -> dict[pathlib.Path, list[str]]:
     """{file: tensor names}, from the shard index if there is one, else from file headers."""
     index_path = root / _INDEX_FILE
     if index_path.is_file():
@@ -112,53 +190,62 @@ def _checkpoint_index(root: pathlib.Path) -> dict[pathlib.Path, list[str]]:
     return result
 
 
-def _parameter_map(model: DecoderModel) -> dict[str, _Target]:
+def _parameter_map(model: DecoderModel) -> dict[str, Target]:
     """Checkpoint tensor name -> target, for every tensor the model needs."""
     spec = model.spec
     fused_rows = {"self_attn.qkv_proj": (spec.q_size, spec.kv_size, spec.kv_size),
                   "mlp.gate_up_proj": (spec.intermediate_size,) * 2}
     params = dict(model.named_parameters())
-    result: dict[str, _Target] = {}
+    result: dict[str, Target] = {}
     for name, param in params.items():
         hf_name = name if name == "lm_head.weight" else f"model.{name}"
         module, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
         fused = next((key for key in _FUSED if module.endswith("." + key)), None)
         if fused is None:
-            result[hf_name] = _Target(name, 0, param.shape[0])
+            result[hf_name] = Target(name, 0, param.shape[0])
             continue
         prefix = hf_name[: -len(f"{fused}.{kind}")]
         start = 0
         for part, rows in zip(_FUSED[fused], fused_rows[fused], strict=True):
-            result[f"{prefix}{part}.{kind}"] = _Target(name, start, rows)
+            result[f"{prefix}{part}.{kind}"] = Target(name, start, rows)
             start += rows
     return result
 
 
-def _load_safetensors(model: DecoderModel, files: dict[pathlib.Path, list[str]],
-                      device: torch.device) -> None:
+def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
+                     files: dict[pathlib.Path, list[str]], device: torch.device,
+                     rename: Callable[[str], str | None], ignored: set[str],
+                     what: str) -> None:
+    """Copy checkpoint tensors into `module`'s parameters.
+
+    Args:
+        targets: canonical tensor name -> where it goes; every one must be present.
+        rename: checkpoint name -> canonical name, None for tensors of another module.
+        ignored: canonical names present in some checkpoints and not needed (skipped).
+        what: the model named in errors.
+    """
     from safetensors import safe_open
 
-    targets = _parameter_map(model)
     present = {name for names in files.values() for name in names}
-    ignored = {name for name in present if name.endswith(_IGNORED_SUFFIXES)}
-    if model.spec.tie_word_embeddings:
-        ignored.add("lm_head.weight")  # some tied checkpoints still save a copy
-    missing = sorted(set(targets) - present)
-    unexpected = sorted(present - set(targets) - ignored)
+    canonical = {name: rename(name) for name in present}
+    ours = {new for new in canonical.values() if new is not None}
+    ignored = ignored | {name for name in ours if name.endswith(_IGNORED_SUFFIXES)}
+    missing = sorted(set(targets) - ours)
+    unexpected = sorted(ours - set(targets) - ignored)
     if missing or unexpected:
         raise InvalidRequest(
-            f"checkpoint does not match {model.spec.architecture}: "
+            f"checkpoint does not match {what}: "
             f"missing {_names(missing)}; unexpected {_names(unexpected)}", param="model")
 
-    params = dict(model.named_parameters())
+    params = dict(module.named_parameters())
     # safetensors can place tensors on CUDA directly; "cuda" alone would mean device 0.
     open_device = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     for path, names in files.items():
         with safe_open(str(path), framework="pt", device=open_device) as f:
             for name in names:
-                if name not in targets:
+                target = targets.get(canonical[name] or "")
+                if target is None:
                     continue
-                target = targets[name]
                 tensor = f.get_tensor(name)
                 dest = params[target.name][target.start: target.start + target.rows]
                 if tensor.shape != dest.shape:
@@ -168,14 +255,15 @@ def _load_safetensors(model: DecoderModel, files: dict[pathlib.Path, list[str]],
                 dest.copy_(tensor)  # casts to the model dtype
 
 
-def _init_dummy(model: DecoderModel, seed: int) -> None:
+def init_dummy(model: torch.nn.Module, seed: int) -> None:
     """N(0, DUMMY_STD) from a generator on the model's device; norm weights 1, so activations
     keep a realistic scale through the layers."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        module, _, kind = name.rpartition(".")
+        if "norm" in module.rpartition(".")[2]:  # RMSNorm and LayerNorm: weight 1, bias 0
+            param.fill_(1.0 if kind == "weight" else 0.0)
         else:
             param.normal_(0.0, DUMMY_STD, generator=generator)
 

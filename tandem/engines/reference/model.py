@@ -53,7 +53,8 @@ class DecoderModel(nn.Module):
                         else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor,
+                input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run T new tokens and return their final-norm hidden states [T, hidden].
 
         Args:
@@ -63,8 +64,13 @@ class DecoderModel(nn.Module):
             meta: where each token's K/V goes and what each sequence attends to.
             kv_cache: the whole pool, [num_layers, 2, num_blocks, block_size, kv_heads, head_size]
                 (batch.allocate_kv_cache); written in place at `meta.slot_mapping`.
+            input_embeds: optional (rows [M] int64, values [M, hidden]): embeddings that replace
+                the token embeddings of those rows (image features at their placeholders).
         """
         hidden = self.embed_tokens(input_ids)
+        if input_embeds is not None:
+            rows, values = input_embeds
+            hidden.index_copy_(0, rows, values.to(hidden.dtype))
         cos, sin = self.rotary_emb(positions)  # gathered once, shared by every layer
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[index])

@@ -7,6 +7,7 @@ holding the theta, `dtype`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import torch
 
 from tandem.engines.reference import rope
 from tandem.errors import InvalidRequest
+from tandem.multimodal.placeholders import LLAVA_ARCHITECTURES
 
 #: Architectures (config.json "architectures"[0]) this engine runs, mapped to their family.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -25,6 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+#: The text_config model_type of a multimodal model -> the matching causal-LM architecture.
+_TEXT_MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32,
@@ -64,6 +69,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     #: Per layer: None for full attention, else the window W (a query at p sees keys > p - W).
     sliding_windows: tuple[int | None, ...]
+    #: The multimodal model wrapping this language model ("LlavaForConditionalGeneration"),
+    #: whose checkpoint nests the language model's tensors; None for a plain causal LM.
+    wrapper: str | None = None
 
     @property
     def family(self) -> str:
@@ -90,13 +98,19 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelSpec:
-        """Build from a parsed config.json. Raises InvalidRequest as `from_dir` does."""
+        """Build from a parsed config.json. Raises InvalidRequest as `from_dir` does.
+
+        A LLaVA config gives the spec of its language model (`text_config`)."""
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else "<none>"
+        if architecture in LLAVA_ARCHITECTURES:
+            return dataclasses.replace(cls.from_config(_text_config(config)),
+                                       wrapper=architecture)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise InvalidRequest(
                 f"unsupported model architecture {architecture!r}; the reference engine supports "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}", param="model")
+                f"{', '.join(sorted({*SUPPORTED_ARCHITECTURES, *LLAVA_ARCHITECTURES}))}",
+                param="model")
         family = SUPPORTED_ARCHITECTURES[architecture]
         act = config.get("hidden_act", "silu")
         if act != "silu":
@@ -137,6 +151,20 @@ class ModelSpec:
             eos_token_ids=_eos_ids(config.get("eos_token_id")),
             sliding_windows=_sliding_windows(config, family, num_layers),
         )
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A LLaVA config's language model as a causal-LM config of its own."""
+    text = dict(config.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if not text.get("architectures"):
+        if model_type not in _TEXT_MODEL_TYPES:
+            raise InvalidRequest(f"unsupported language model {model_type!r} in a "
+                                 f"{config['architectures'][0]}", param="model")
+        text["architectures"] = [_TEXT_MODEL_TYPES[model_type]]
+    if not (text.get("dtype") or text.get("torch_dtype")):
+        text["dtype"] = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return text
 
 
 def _rope_params(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:

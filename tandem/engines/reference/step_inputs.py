@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.encoder import MultimodalSpan
 
 
 class TokenSpan(Sequence[int]):
@@ -53,6 +54,8 @@ class StepInputs:
     sample_rows: torch.Tensor
     #: Requests wanting prompt logprobs: (request, first row, first position, row count, k).
     prompt_spans: list[tuple[BatchRequest, int, int, int, int]]
+    #: Multimodal rows computed this step, with the request each belongs to.
+    mm_spans: list[tuple[BatchRequest, MultimodalSpan]] = field(default_factory=list)
 
 
 def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
@@ -66,6 +69,7 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
     tables: list[list[int]] = []
     last_row: dict[int, int] = {}
     prompt_spans: list[tuple[BatchRequest, int, int, int, int]] = []
+    mm_spans: list[tuple[BatchRequest, MultimodalSpan]] = []
     for req, n in plan.scheduled:
         end = req.num_computed
         start = end - n
@@ -76,6 +80,13 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
             stop = min(end, req.num_prompt - 1)
             prompt_spans.append((req, len(token_ids), start, stop - start, k))
         blocks = req.table.block_ids
+        for item in req.embeddings:
+            # A chunk boundary may cut an item: place only the rows of this step's positions.
+            lo = max(start, item.placeholder_offset)
+            hi = min(end, item.placeholder_offset + item.num_tokens)
+            if lo < hi:
+                mm_spans.append((req, MultimodalSpan(len(token_ids) + lo - start, item,
+                                                     lo - item.placeholder_offset, hi - lo)))
         token_ids.extend(req.token_ids[start:end])
         positions.extend(range(start, end))
         slots.extend(blocks[p // block_size] * block_size + p % block_size
@@ -100,4 +111,5 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         is_decode_only=all(n == 1 for _, n in plan.scheduled),
     )
     rows = [last_row[id(req)] for req in plan.ready]
-    return StepInputs(tensor(token_ids), tensor(positions), meta, tensor(rows), prompt_spans)
+    return StepInputs(tensor(token_ids), tensor(positions), meta, tensor(rows), prompt_spans,
+                      mm_spans)

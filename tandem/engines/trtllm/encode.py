@@ -13,7 +13,6 @@ also applies the model's image placeholders.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import pathlib
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 from tandem.engines.trtllm.api import TrtllmApi
 from tandem.engines.types import Embedding
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.multimodal.image import content_hash
 
 _MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
           (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
@@ -70,7 +70,7 @@ async def encode_images(api: TrtllmApi, encoder: Any, model_dir: str,
         view = shared.SharedTensorContainer.from_dict(handles[0]).get_local_view()
         tensor = view.clone().cpu()  # off the IPC handle before the producer frees it
         out.append(Embedding(
-            content_hash=hashlib.blake2b(image, digest_size=16).hexdigest(),
+            content_hash=content_hash(image),
             shape=tuple(int(d) for d in tensor.shape),
             dtype=str(tensor.dtype).removeprefix("torch."),
             data=tensor_bytes(tensor)))

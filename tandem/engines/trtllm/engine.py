@@ -10,6 +10,7 @@ a MultimodalEncoder instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
@@ -75,6 +76,7 @@ class TrtllmEngine(Engine):
         self._flights: dict[str, Flight] = {}
         self._prefills: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._num_encoded_images = 0
 
     @property
     def layout(self) -> KvLayout:
@@ -146,7 +148,8 @@ class TrtllmEngine(Engine):
         return False
 
     def stats(self) -> EngineStats:
-        return self.telemetry.stats(len(self._flights) + len(self._prefills))
+        stats = self.telemetry.stats(len(self._flights) + len(self._prefills))
+        return dataclasses.replace(stats, num_encoded_images=self._num_encoded_images)
 
     async def prefill(self, request: EngineRequest, lease_ms: int) -> PrefillResult:
         """Runs the prompt as a context-only request. The KV handle carries TensorRT-LLM's
@@ -188,7 +191,9 @@ class TrtllmEngine(Engine):
         if not self.args.encode_only:
             raise Unimplemented("this trtllm worker holds the LLM, not the multimodal encoder "
                                 "(start encode workers with --encode-only)")
-        return await encode_images(self.api, self._require_llm(), self.args.model, images)
+        embeddings = await encode_images(self.api, self._require_llm(), self.args.model, images)
+        self._num_encoded_images += len(embeddings)
+        return embeddings
 
     async def health_canary(self, timeout_s: float = 30.0) -> None:
         """Proves forward progress: a one-token greedy request run whole on this worker

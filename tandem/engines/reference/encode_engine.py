@@ -1,0 +1,99 @@
+"""The reference engine of an encode worker: a LLaVA model's vision tower and projector alone,
+with the encoder cache; no language model, no KV cache. Also builds the ImageEncoder that the
+full reference engine uses for its own (aggregated fallback) images."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.base import Engine
+from tandem.engines.reference.encoder import ImageEncoder
+from tandem.engines.reference.loader import load_vision
+from tandem.engines.stream import RequestStream
+from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout
+from tandem.errors import InvalidRequest, Unavailable, Unimplemented
+from tandem.model.config import ModelConfig
+from tandem.multimodal.encoder_cache import EncoderCache
+from tandem.multimodal.processor import ImageProcessorConfig
+
+log = logging.getLogger(__name__)
+
+
+def create_image_encoder(args: EngineArgs, device: torch.device,
+                         dtype: torch.dtype) -> ImageEncoder | None:
+    """The vision side of the model at `args.model`; None for a text-only model."""
+    vision = load_vision(args.model, dtype, device, args.load_format, args.seed)
+    if vision is None:
+        return None
+    return ImageEncoder(vision, ImageProcessorConfig.from_dir(args.model),
+                        EncoderCache(args.encoder_cache_bytes), device, dtype)
+
+
+class ReferenceEncodeEngine(Engine):
+    """Engine.encode only; every token-generating call is refused."""
+
+    name = "reference"
+
+    def __init__(self, encoder: ImageEncoder, max_model_len: int, block_size: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self._layout = KvLayout(str(encoder.dtype).removeprefix("torch."), 0, 0, 0, block_size)
+        self._max_model_len = max_model_len
+        self._num_running = 0
+        self._closed = False
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def start(self) -> None:
+        return None
+
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        raise Unimplemented("this worker runs only the vision encoder (--disaggregation-mode "
+                            "encode); send prompts to a prefill or decode worker")
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    async def encode(self, images: Sequence[bytes]) -> list[Embedding]:
+        if self._closed:
+            raise Unavailable("the encode engine is closed")
+        self._num_running += 1
+        try:
+            return await asyncio.to_thread(self.encoder.embed, list(images))
+        finally:
+            self._num_running -= 1
+
+    def stats(self) -> EngineStats:
+        encoder = self.encoder
+        return EngineStats(
+            num_running=self._num_running, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0,
+            pending_prefill_tokens=0, active_decode_blocks=0, prefix_cache_hit_rate=0.0,
+            num_encoded_images=encoder.num_encoded, encode_cache_hits=encoder.cache.num_hits,
+            encode_cache_size=len(encoder.cache))
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+def create_encode_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
+                         dtype: torch.dtype) -> ReferenceEncodeEngine:
+    """Raises InvalidRequest for a model without a vision encoder."""
+    encoder = create_image_encoder(args, device, dtype)
+    if encoder is None:
+        raise InvalidRequest(f"{args.model} has no vision encoder ({config.architecture}); "
+                             "encode workers need a LLaVA-style model", param="model")
+    log.info("reference encode engine ready", extra={
+        "device": str(device), "dtype": str(dtype), "architecture": config.architecture,
+        "encoder_cache_bytes": args.encoder_cache_bytes})
+    return ReferenceEncodeEngine(encoder, args.max_seq_len or config.max_position_embeddings,
+                                 args.kv_block_size)
