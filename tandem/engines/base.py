@@ -113,6 +113,10 @@ class Engine(ABC):
             f"engine '{self.name}' has no vision encoder (the encode stage is a later stage of "
             "Tandem)")
 
+    def prepare_kv_transfer(self) -> None:  # noqa: B027  (most backends need no set-up)
+        """Sets up KV transfer now (e.g. registers the KV pool with NIXL) so that the first
+        disaggregated request does not pay for it."""
+
     def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:  # noqa: B027
         """How this engine tells a prefill worker it is done with a lease (Prefill.Release);
         backends whose transfers free the peer's blocks themselves ignore it."""

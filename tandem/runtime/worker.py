@@ -66,6 +66,8 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
         # Before start: TensorRT-LLM sizes its event buffer when the engine is built.
         engine.set_event_sink(event_log.append)
     await engine.start()
+    if config.disaggregation_mode in ("prefill", "decode"):
+        engine.prepare_kv_transfer()
     metrics: WorkerMetrics | None = None
     if config.metrics_port:
         loop = asyncio.get_running_loop()

@@ -237,6 +237,9 @@ class BatchingEngine(Engine):
     async def release(self, request_id: str) -> bool:
         return self.leases.release(request_id)
 
+    def prepare_kv_transfer(self) -> None:
+        self.transfer  # noqa: B018
+
     def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:
         self.loads.release_remote = releaser
 
