@@ -5,9 +5,10 @@ import grpc
 
 from tandem.engines.base import Engine
 from tandem.errors import Unavailable
+from tandem.runtime import convert
 from tandem.runtime.server import Draining
-from tandem.v1 import common_pb2, encode_pb2_grpc
 from tandem.v1 import encode_pb2 as pb
+from tandem.v1 import encode_pb2_grpc
 
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):
@@ -20,7 +21,4 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         if self.draining.active:
             raise Unavailable("encode worker is draining")
         embeddings = await self.engine.encode([image.data for image in request.images])
-        return pb.EncodeResponse(embeddings=[
-            common_pb2.MultimodalEmbedding(content_hash=e.content_hash, shape=e.shape,
-                                           dtype=e.dtype, raw=e.data)
-            for e in embeddings if isinstance(e.data, bytes)])
+        return pb.EncodeResponse(embeddings=[convert.embedding_to_pb(e) for e in embeddings])

@@ -92,7 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         body, kind = openai_body(request)
         parsed = parse_request(body, kind)
         priority = request.priority if request.HasField("priority") else None
-        gen = self.frontend.prepare(parsed, context.time_remaining(), priority)
+        gen = await self.frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
         deltas = self.frontend.pipeline.generate(gen)
         sent_metadata = False

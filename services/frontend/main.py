@@ -4,22 +4,24 @@ from __future__ import annotations
 import logging
 import pathlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from services.frontend.http_app import OpenAIRoutes, json_errors
 from services.frontend.inference import InferenceServicer
 from tandem.frontend.detokenizer import IncrementalDetokenizer
-from tandem.frontend.frontend import Frontend, ModelInfo
+from tandem.frontend.frontend import Frontend, ImageSupport, ModelInfo
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.pipeline import Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
+from tandem.multimodal.fetch import MediaFetchConfig, MediaFetcher
+from tandem.multimodal.placeholders import ImagePlaceholders
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
-from tandem.runtime.clients import DecodeClients, PrefillClients, RouterClient
+from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import inference_pb2_grpc
 
@@ -49,35 +51,65 @@ class FrontendConfig:
     #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
     #: not cached on the decode worker is at most this many tokens skip the prefill worker.
     max_local_prefill_length: int = 0
+    #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
+    #: prompts with images for the router, which must match the workers' hashes.
+    kv_block_size: int = 32
+    #: Limits on images in requests (--max-file-size-mb, --media-fetch-timeout-s,
+    #: --max-media-redirects, --allowed-local-media-path, --allowed-media-networks).
+    media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     grace_period_s: float = 30.0
     log_level: str = "info"
 
 
-def build_frontend(config: FrontendConfig
-                   ) -> tuple[Frontend, RouterClient, DecodeClients, PrefillClients]:
+@dataclass(frozen=True)
+class FrontendClients:
+    """The frontend's connections, closed in this order at shutdown."""
+
+    router: RouterClient
+    decode: DecodeClients
+    prefill: PrefillClients
+    encode: EncodeClients
+    #: None for a text-only model.
+    media: MediaFetcher | None
+
+    async def close(self) -> None:
+        await self.router.close()  # flushes the last completion reports
+        await self.decode.close()
+        await self.prefill.close()
+        await self.encode.close()
+        if self.media is not None:
+            await self.media.close()
+
+
+def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
+    """Call on the event loop (the media fetcher's HTTP session belongs to it)."""
     model_dir = pathlib.Path(config.model) if config.model else ensure_demo_model()
     model_config = ModelConfig.from_dir(model_dir)
     model = ModelInfo(config.served_model_name or model_dir.name,
                       config.max_seq_len or model_config.max_position_embeddings)
     tokenizer = Tokenizer.from_dir(model_dir)
-    router = RouterClient(config.router_address, timeout_s=config.router_timeout_s,
-                          max_local_prefill_length=config.max_local_prefill_length)
-    decode = DecodeClients()
-    prefill = PrefillClients()
-    pipeline = Pipeline(router, decode,
+    placeholders = ImagePlaceholders.from_dir(model_dir)
+    media = MediaFetcher(config.media) if placeholders is not None else None
+    clients = FrontendClients(
+        RouterClient(config.router_address, timeout_s=config.router_timeout_s,
+                     max_local_prefill_length=config.max_local_prefill_length),
+        DecodeClients(), PrefillClients(), EncodeClients(model.name), media)
+    pipeline = Pipeline(clients.router, clients.decode,
                         lambda req: IncrementalDetokenizer(
                             tokenizer, req.prompt_token_ids, stop=req.stop,
                             skip_special_tokens=req.skip_special_tokens),
-                        FrontendMetrics(model.name), prefill)
-    frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None)
-    return frontend, router, decode, prefill
+                        FrontendMetrics(model.name), clients.prefill, clients.encode)
+    images = (ImageSupport(placeholders, media, config.kv_block_size)
+              if placeholders is not None and media is not None else None)
+    frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images)
+    return frontend, clients
 
 
 async def serve(config: FrontendConfig) -> None:
     logs.setup("frontend", config.log_level)
     tracing.setup("frontend")
     log.info("config", extra={"config": config_lib.as_dict(config)})
-    frontend, router, decode, prefill = build_frontend(config)
+    frontend, clients = build_frontend(config)
     build_info.register(frontend.pipeline.metrics.registry, "frontend")
     grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s),
                                ["tandem.v1.Inference"])
@@ -92,15 +124,10 @@ async def serve(config: FrontendConfig) -> None:
     site = web.TCPSite(runner, config.host, config.http_port)
     await site.start()
 
-    async def close_clients() -> None:
-        await router.close()  # flushes the last completion reports
-        await decode.close()
-        await prefill.close()
-
     # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
     # period, while the gRPC API drains too.
     grpc_service.on_drain(runner.cleanup)
-    grpc_service.on_close(close_clients)
+    grpc_service.on_close(clients.close)
     log.info("http listening", extra={"url": f"http://{config.host}:{config.http_port}"})
     await grpc_service.run()
 

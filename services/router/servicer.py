@@ -30,7 +30,8 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
                      sla.itl_ms if sla.HasField("itl_ms") else None,
                      request.priority if request.HasField("priority") else None),
         exclude_ids=tuple(request.exclude_worker_ids),
-        max_local_prefill_length=request.max_local_prefill_length)
+        max_local_prefill_length=request.max_local_prefill_length,
+        has_images=request.has_images)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -1,15 +1,21 @@
 """The frontend's request logic, shared by the OpenAI REST API and the public gRPC API:
-model check, tokenization, context-length limits, and the request pipeline."""
+model check, image fetching, tokenization (image placeholders expanded), context-length limits,
+and the request pipeline."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
 
+from tandem.engines.types import Embedding
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.pipeline import GenerationRequest, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
+from tandem.multimodal.fetch import MediaFetcher
+from tandem.multimodal.placeholders import ImagePlaceholders
+from tandem.multimodal.prompt import build_prompt
 from tandem.routing.workers import SlaHints
 from tandem.runtime import tracing
 
@@ -20,14 +26,28 @@ class ModelInfo:
     max_model_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class ImageSupport:
+    """What the frontend needs to accept images: present only for a vision-language model."""
+
+    placeholders: ImagePlaceholders
+    fetcher: MediaFetcher
+    #: The workers' --kv-block-size: the router's prefix hashes of a prompt with images are
+    #: computed here (the router cannot see the images).
+    block_size: int
+
+
 class Frontend:
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None,
+                 images: ImageSupport | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         #: Longest a request may take end to end; None: no limit of the frontend's own.
         self.request_timeout_s = request_timeout_s
+        #: None: a text-only model, requests with images are refused.
+        self.images = images
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -50,9 +70,21 @@ class Frontend:
                                  param="prompt")
         return ids
 
-    def prepare(self, parsed: ParsedRequest, timeout_s: float | None = None,
-                priority: int | None = None) -> GenerationRequest:
-        """Validates the request against the served model and tokenizes it.
+    @staticmethod
+    async def _with_images(support: ImageSupport, parsed: ParsedRequest, token_ids: list[int]
+                           ) -> tuple[list[int], tuple[Embedding, ...], tuple[int, ...]]:
+        """(prompt with placeholders expanded, one item per image, block hashes for the router)
+        of a chat with images; every image is fetched and checked to decode, concurrently."""
+        with tracing.span("fetch_images"):
+            fetched = await asyncio.gather(*(support.fetcher.fetch_image(ref.url, param=ref.param)
+                                             for ref in parsed.images))
+        prompt = build_prompt(token_ids, fetched, support.placeholders)
+        return (list(prompt.token_ids), prompt.items,
+                tuple(prompt.block_hashes(support.block_size)))
+
+    async def prepare(self, parsed: ParsedRequest, timeout_s: float | None = None,
+                      priority: int | None = None) -> GenerationRequest:
+        """Validates the request against the served model, fetches its images and tokenizes it.
 
         The request gets a fresh internal id: a client's id is for its logs only, never a key
         the router or an engine could see collide. `timeout_s` (the client's deadline) is capped
@@ -60,16 +92,25 @@ class Frontend:
 
         Raises:
             ModelNotFound: the request names another model.
-            InvalidRequest: the prompt does not fit the context, or the template fails.
+            InvalidRequest: the prompt does not fit the context, the template fails, or an
+                image cannot be fetched or decoded (or the model takes none).
         """
         if parsed.model != self.model.name:
             raise ModelNotFound(f"model '{parsed.model}' does not exist; this deployment serves "
                                 f"'{self.model.name}'", param="model")
+        support = self.images
+        if parsed.images and support is None:
+            raise InvalidRequest(f"model '{self.model.name}' does not accept images",
+                                 param=parsed.images[0].param)
         tracing.annotate({tracing.MODEL: parsed.model, tracing.OPERATION:
                           "chat" if parsed.kind == "chat" else "text_completion"})
         with tracing.span("tokenize") as span:
             prompt = self.prompt_token_ids(parsed)
             span.set_attribute(tracing.INPUT_TOKENS, len(prompt))
+        items: tuple[Embedding, ...] = ()
+        block_hashes: tuple[int, ...] = ()
+        if parsed.images and support is not None:
+            prompt, items, block_hashes = await self._with_images(support, parsed, prompt)
         limit = self.model.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this model's context is "
@@ -89,4 +130,6 @@ class Frontend:
             skip_special_tokens=parsed.skip_special_tokens,
             sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms, priority),
             deadline=time.monotonic() + min(limits) if limits else None,
+            embeddings=items,
+            block_hashes=block_hashes,
         )

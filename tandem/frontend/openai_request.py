@@ -22,12 +22,18 @@ from typing import Any, Literal
 
 from tandem.engines.types import SamplingParams
 from tandem.errors import InvalidRequest
+from tandem.multimodal.chat import (
+    IMAGE_PART_TYPES,
+    MAX_IMAGES_PER_REQUEST,
+    TEMPLATE_IMAGE_PART,
+    ImageRef,
+    image_part_url,
+)
 
 Kind = Literal["chat", "completion"]
 
 #: Chat roles passed through to the chat template.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -42,8 +48,11 @@ class ParsedRequest:
 
     kind: Kind
     model: str
-    #: chat only: {"role", "content"} with string content, in order.
-    messages: tuple[dict[str, str], ...] = ()
+    #: chat only: {"role", "content"} in order; content is a string, or (a message with images)
+    #: a list of text parts and TEMPLATE_IMAGE_PART, as the chat template takes them.
+    messages: tuple[dict[str, Any], ...] = ()
+    #: chat only: the images, in the order their parts appear in `messages`.
+    images: tuple[ImageRef, ...] = ()
     #: completion only: text, or token ids.
     prompt: str | tuple[int, ...] | None = None
     #: max_completion_tokens / max_tokens; None: the frontend picks from the context length.
@@ -120,10 +129,11 @@ def parse_request(
     nvext = _object(body, "nvext", "nvext")
     router = _object(nvext, "router", "nvext.router")
 
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
+    images: list[ImageRef] = []
     prompt: str | tuple[int, ...] | None = None
     if kind == "chat":
-        messages = _messages(body.get("messages"))
+        messages = _messages(body.get("messages"), images)
         newest = _int(body, "max_completion_tokens", lo=1)
         max_tokens = _first(newest, _int(body, "max_tokens", lo=1))
         logprobs = _chat_logprobs(body)
@@ -170,6 +180,7 @@ def parse_request(
         kind=kind,
         model=model,
         messages=messages,
+        images=tuple(images),
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -207,7 +218,8 @@ def parse_request(
 # --- fields -------------------------------------------------------------------------------------
 
 
-def _messages(value: object) -> tuple[dict[str, str], ...]:
+def _messages(value: object, images: list[ImageRef]) -> tuple[dict[str, Any], ...]:
+    """The messages for the chat template; the image parts' URLs are appended to `images`."""
     if value is None:
         raise InvalidRequest("'messages' is required", param="messages")
     if not isinstance(value, list):
@@ -227,11 +239,16 @@ def _messages(value: object) -> tuple[dict[str, str], ...]:
                 f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
                 param=f"{where}.role",
             )
-        out.append({"role": role, "content": _content(message.get("content"), role, where)})
+        out.append({"role": role,
+                    "content": _content(message.get("content"), role, where, images)})
+    if len(images) > MAX_IMAGES_PER_REQUEST:
+        raise InvalidRequest(f"'messages' may carry at most {MAX_IMAGES_PER_REQUEST} images, "
+                             f"got {len(images)}", param="messages")
     return tuple(out)
 
 
-def _content(value: object, role: str, where: str) -> str:
+def _content(value: object, role: str, where: str,
+             images: list[ImageRef]) -> str | list[Mapping[str, str]]:
     param = f"{where}.content"
     if isinstance(value, str):
         return value
@@ -241,7 +258,8 @@ def _content(value: object, role: str, where: str) -> str:
         raise InvalidRequest(f"'{param}' is required", param=param)
     if not isinstance(value, list):
         raise _must(param, "a string or an array of content parts", value)
-    texts = []
+    texts: list[str] = []
+    parts: list[Mapping[str, str]] = []  # in order, for a message with images
     for j, part in enumerate(value):
         part_param = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -250,11 +268,17 @@ def _content(value: object, role: str, where: str) -> str:
             if not isinstance(text, str):
                 raise _must(f"{part_param}.text", "a string", text)
             texts.append(text)
-        elif kind in _IMAGE_PART_TYPES:
+            parts.append({"type": "text", "text": text})
+        elif kind in IMAGE_PART_TYPES and isinstance(part, dict):
+            images.append(ImageRef(image_part_url(part, part_param), part_param))
+            parts.append(TEMPLATE_IMAGE_PART)
+        elif kind == "image":
+            # The template's own part type: it carries no image, so it would leave a
+            # placeholder without one.
             raise InvalidRequest(
-                f"'{part_param}' is an image; images need the encode stage, which is not "
-                "available yet",
-                param=part_param,
+                f"'{part_param}.type' 'image' is not an OpenAI content part; send the image as "
+                "{'type': 'image_url', 'image_url': {'url': ...}}",
+                param=f"{part_param}.type",
             )
         elif not isinstance(part, dict):
             raise _must(part_param, "an object", part)
@@ -262,9 +286,12 @@ def _content(value: object, role: str, where: str) -> str:
             raise InvalidRequest(f"'{part_param}.type' is required", param=f"{part_param}.type")
         else:
             raise InvalidRequest(
-                f"'{part_param}.type' {kind!r} is not supported (only 'text')",
+                f"'{part_param}.type' {kind!r} is not supported (only 'text', 'image_url' and "
+                "'input_image')",
                 param=f"{part_param}.type",
             )
+    if len(parts) > len(texts):
+        return parts
     # vLLM joins text parts the same way.
     return "\n".join(texts)
 

@@ -1,6 +1,7 @@
-"""The frontend's data path for one request: route -> prefill on a prefill worker when the router
-disaggregates -> stream tokens from a decode worker (which reads the prefill worker's KV) ->
-detokenize (stop strings included) -> deltas for the client -> release the router's load.
+"""The frontend's data path for one request: route -> encode the images on an encode worker when
+the router names one -> prefill on a prefill worker when the router disaggregates -> stream
+tokens from a decode worker (which reads the prefill worker's KV) -> detokenize (stop strings
+included) -> deltas for the client -> release the router's load.
 
 Backend- and transport-blind: the router and worker clients are injected (tandem.runtime.clients
 in production), so this module has no grpc import.
@@ -8,14 +9,16 @@ in production), so this module has no grpc import.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.engines.types import (
+    Embedding,
     EngineRequest,
     FinishReason,
     KvHandle,
@@ -28,6 +31,7 @@ from tandem.engines.types import (
 from tandem.errors import DeadlineExceeded, Overloaded, Unavailable, UpstreamError
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics
+from tandem.multimodal.prompt import place_embeddings
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import tracing
 
@@ -45,6 +49,18 @@ class GenerationRequest:
     sla: SlaHints = field(default_factory=SlaHints)
     #: time.monotonic() by which the request must be done; None: no deadline.
     deadline: float | None = None
+    #: The prompt's images at their placeholder tokens, not yet encoded (see
+    #: tandem.multimodal.prompt); replaced by their embeddings once an encode worker ran.
+    embeddings: tuple[Embedding, ...] = ()
+    #: With images: the prompt's block hashes, images included, for the router's prefix
+    #: matching (it cannot compute them from the token ids alone).
+    block_hashes: tuple[int, ...] = ()
+
+    def engine_request(self, kv_handle: KvHandle | None = None,
+                       first_token: TokenLogprob | None = None) -> EngineRequest:
+        """What a prefill or decode worker gets (a decode worker resuming: with the handle)."""
+        return EngineRequest(self.request_id, tuple(self.prompt_token_ids), self.sampling,
+                             kv_handle, first_token, self.embeddings)
 
     def remaining_s(self) -> float | None:
         """Seconds left before the deadline. Raises DeadlineExceeded once it has passed."""
@@ -72,7 +88,8 @@ class Delta:
 class RouterPort(Protocol):
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
-                    timeout_s: float | None = None) -> RouteDecision: ...
+                    timeout_s: float | None = None, block_hashes: Sequence[int] = (),
+                    has_images: bool = False) -> RouteDecision: ...
 
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
         """Queues the release of a request's load; never blocks the caller."""
@@ -93,6 +110,13 @@ class PrefillPort(Protocol):
         ...
 
 
+class EncodePort(Protocol):
+    async def encode(self, address: str, request_id: str, images: Sequence[Embedding],
+                     timeout_s: float | None = None) -> list[Embedding]:
+        """The embeddings of `images` (items not yet encoded), in order."""
+        ...
+
+
 #: Workers a request may be refused by before it fails (each refusal re-asks the router).
 MAX_FALLBACKS = 3
 
@@ -102,10 +126,11 @@ DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]
 class Pipeline:
     def __init__(self, router: RouterPort, decode: DecodePort,
                  new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics,
-                 prefill: PrefillPort | None = None) -> None:
+                 prefill: PrefillPort | None = None, encode: EncodePort | None = None) -> None:
         self.router = router
         self.decode = decode
         self.prefill = prefill
+        self.encode = encode
         self.new_detokenizer = new_detokenizer
         self.metrics = metrics
 
@@ -115,9 +140,9 @@ class Pipeline:
         start = time.perf_counter()  # TTFT counts routing and prefill too
         try:
             # Inside the try: a client gone during Route must still release what it counted.
-            decision = await self.router.route(req.request_id, req.prompt_token_ids,
-                                               req.sampling.max_tokens, req.sla,
-                                               timeout_s=req.remaining_s())
+            decision = await self._route(req)
+            if req.embeddings and decision.encode_workers:
+                req = dataclasses.replace(req, embeddings=await self._encode(req, decision))
             async with aclosing(self._stream(req, decision, start)) as deltas:
                 async for delta in deltas:
                     produced += len(delta.token_ids)
@@ -131,6 +156,32 @@ class Pipeline:
             raise
         finally:
             self.router.report_completion(req.request_id, outcome, produced)
+
+    async def _route(self, req: GenerationRequest,
+                     exclude_ids: tuple[str, ...] = ()) -> RouteDecision:
+        return await self.router.route(req.request_id, req.prompt_token_ids,
+                                       req.sampling.max_tokens, req.sla, exclude_ids=exclude_ids,
+                                       timeout_s=req.remaining_s(),
+                                       block_hashes=req.block_hashes,
+                                       has_images=bool(req.embeddings))
+
+    async def _encode(self, req: GenerationRequest,
+                      decision: RouteDecision) -> tuple[Embedding, ...]:
+        """The images' embeddings from the first encode worker that answers; the images
+        themselves when none can (the prefill or decode worker then encodes them)."""
+        if self.encode is None:
+            return req.embeddings
+        for worker in decision.encode_workers:
+            try:
+                encoded = await self.encode.encode(worker.address, req.request_id,
+                                                   req.embeddings, req.remaining_s())
+                return place_embeddings(req.embeddings, encoded)
+            except (Unavailable, Overloaded, UpstreamError) as exc:
+                log.warning("encode worker failed, trying the next", extra={
+                    "worker": worker.worker_id, "error": exc.message})
+        log.warning("no encode worker answered; the images go to the prefill/decode worker",
+                    extra={"request_id": req.request_id})
+        return req.embeddings
 
     async def _stream(self, req: GenerationRequest, decision: RouteDecision,
                       start: float) -> AsyncGenerator[Delta, None]:
@@ -159,7 +210,7 @@ class Pipeline:
         none can (the decode worker then prefills the prompt itself)."""
         if self.prefill is None:
             return None
-        engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
+        engine_req = req.engine_request()
         for worker in decision.prefill_workers:
             try:
                 return await self.prefill.prefill(worker.address, engine_req, req.remaining_s())
@@ -209,10 +260,7 @@ class Pipeline:
                 log.warning("decode worker refused the request, asking the router again",
                             extra={"worker": worker.worker_id, "error": exc.message})
             try:
-                decision = await self.router.route(req.request_id, req.prompt_token_ids,
-                                                   req.sampling.max_tokens, req.sla,
-                                                   exclude_ids=tuple(refused),
-                                                   timeout_s=req.remaining_s())
+                decision = await self._route(req, tuple(refused))
             except Unavailable:
                 # Nobody else can take it: the client hears the refusal itself (an overloaded
                 # deployment answers 429 with Retry-After, not 503).
@@ -222,11 +270,12 @@ class Pipeline:
                            prefilled: PrefillResult | None,
                            start: float) -> AsyncGenerator[Delta, None]:
         detok = self.new_detokenizer(req)
-        engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling)
+        engine_req = req.engine_request()
         if prefilled is not None:
-            engine_req = EngineRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling,
-                                       kv_handle=prefilled.kv_handle,
-                                       first_token=prefilled.first_token)
+            # The embeddings go along: the decode worker hashes its blocks with them, and needs
+            # them to recompute the prompt if the KV read fails.
+            engine_req = req.engine_request(kv_handle=prefilled.kv_handle,
+                                            first_token=prefilled.first_token)
         last = start
         emitted = 0
         # Disaggregated, the prefill worker's cache hits are the request's.

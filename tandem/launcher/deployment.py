@@ -11,6 +11,7 @@ import yaml
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
 
 
@@ -19,7 +20,7 @@ class DeploymentPool:
     """A pool of workers the launcher starts and the router picks among."""
 
     name: str = "decode"
-    #: decode, agg (aggregated grid pools) or prefill.
+    #: decode, agg (aggregated grid pools), prefill or encode.
     kind: str = "decode"
     #: One worker per port.
     ports: list[int] = field(default_factory=list)
@@ -51,6 +52,10 @@ class Deployment:
     #: prefill pool; decode workers read the prompt's KV from them over NIXL.
     disagg: bool = False
     prefill_ports: list[int] = field(default_factory=lambda: [9300])
+    #: One encode worker (vision tower and projector of a vision-language model) per port, in
+    #: an encode pool; requests with images are encoded there. Empty: the prefill (or
+    #: aggregated) worker encodes images itself.
+    encode_ports: list[int] = field(default_factory=list)
     #: Frontend: prompts whose uncached part is at most this many tokens skip the prefill
     #: worker (conditional disaggregation).
     max_local_prefill_length: int = 0
@@ -61,8 +66,12 @@ class Deployment:
     #: Router's Prometheus /metrics port; 0: none.
     router_metrics_port: int = 0
     #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
-    #: listed; without `pools`: the decode workers, then the prefill workers); empty: none.
+    #: listed; without `pools`: the decode, then the prefill, then the encode workers); empty:
+    #: none.
     worker_metrics_ports: list[int] = field(default_factory=list)
+    #: Frontend: limits on images in requests (--max-file-size-mb, --allowed-local-media-path,
+    #: --allowed-media-networks, ...).
+    media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
     #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
@@ -92,12 +101,15 @@ def pools(d: Deployment) -> list[DeploymentPool]:
     if d.disagg:
         shorthand.append(DeploymentPool("prefill", "prefill", list(d.prefill_ports),
                                         d.router_policy))
+    if d.encode_ports:
+        # Round robin: the kv policy has nothing to match on an encode worker.
+        shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports)))
     return shorthand
 
 
 def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
-    if pool.kind == "prefill":
-        return ["prefill"]
+    if pool.kind in ("prefill", "encode"):
+        return [pool.kind]
     return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
 
 
@@ -120,6 +132,10 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level]
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
+    if d.engine == "mock" and any(pool.kind == "encode" for pool in pools(d)):
+        raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
+                             "not have: use --engine reference with a vision model",
+                             param="encode_ports")
     disaggregated = any(pool.kind == "prefill" for pool in pools(d))
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
         *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
@@ -143,6 +159,9 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
+    # The frontend hashes prompts with images into the workers' blocks.
+    frontend_flags += ["--kv-block-size", str(d.engine_args.kv_block_size),
+                       *config_lib.to_argv(d.media)]
     frontend = ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), "--router-address", f"{d.host}:{d.router_port}", *model,

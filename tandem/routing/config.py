@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POOL_KINDS = ("decode", "prefill", "agg")
+POOL_KINDS = ("decode", "prefill", "agg", "encode")
 
 
 @dataclass(frozen=True)
@@ -11,7 +11,8 @@ class PoolConfig:
     """One pool of workers and how the router picks among them."""
 
     name: str = ""
-    #: decode, prefill (disaggregated grid pools) or agg (aggregated grid pools).
+    #: decode, prefill (disaggregated grid pools), agg (aggregated grid pools) or encode
+    #: (vision encoders, asked only for requests with images).
     kind: str = "decode"
     #: Static worker addresses, host:port (each address is also the worker's id).
     workers: list[str] = field(default_factory=list)

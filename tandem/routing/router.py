@@ -54,6 +54,8 @@ class RouteRequestInfo:
     #: With prefill pools: prompts whose part not cached on the decode pick is at most this
     #: many tokens are prefilled by the decode worker itself (no KV transfer).
     max_local_prefill_length: int = 0
+    #: The request carries images: an encode worker is picked too, when encode pools exist.
+    has_images: bool = False
 
 
 class Router:
@@ -68,6 +70,10 @@ class Router:
             if cfg.kind not in POOL_KINDS:
                 raise InvalidRequest(f"pools[{i}].kind must be one of {', '.join(POOL_KINDS)}, "
                                      f"got '{cfg.kind}'", param=f"pools[{i}].kind")
+            if cfg.kind == "encode" and cfg.policy == "kv":
+                # Encode workers hold no KV: there is no prefix to match.
+                raise InvalidRequest(f"pools[{i}] is an encode pool; its policy cannot be 'kv'",
+                                     param=f"pools[{i}].policy")
             options: dict[str, object] = {}
             if cfg.policy == "kv":
                 options = {"index": self.index, "prefill_load_scale": cfg.prefill_load_scale,
@@ -155,7 +161,9 @@ class Router:
     def route(self, info: RouteRequestInfo) -> RouteDecision:
         """Picks the decode (or aggregated) worker and, when prefill pools exist and the prompt's
         part not cached on that worker is longer than `max_local_prefill_length`, a prefill
-        worker. Without a healthy prefill worker the request is served aggregated."""
+        worker. Without a healthy prefill worker the request is served aggregated. A request
+        with images also gets encode workers, when encode pools have healthy ones (without, the
+        prefill or decode worker encodes them itself)."""
         hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
                                                                self.block_size))
         ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
@@ -169,16 +177,22 @@ class Router:
         prefill_ordered: list[tuple[WorkerState, int]] = []
         if info.isl - overlap * self.block_size > info.max_local_prefill_length:
             prefill_ordered = self._rank(self._prefill_pool_order(info), ctx, exclude)
+        encode_ordered: list[tuple[WorkerState, int]] = []
+        if info.has_images:
+            encode_ordered = self._rank(self._by_kind["encode"], ctx, exclude)
         self._release(info.request_id)  # a re-routed request is counted once
+        # An encode worker carries the request (no KV blocks) until it completes.
+        handed = [self._hand_out(encode_ordered[0][0], 0, 0)] if encode_ordered else []
         if prefill_ordered:
             prefill_pick, overlap = prefill_ordered[0]
-            handed = [self._hand_out(prefill_pick, max(new_blocks - overlap, 0), 0),
-                      self._hand_out(pick, 0, new_blocks)]
+            handed += [self._hand_out(prefill_pick, max(new_blocks - overlap, 0), 0),
+                       self._hand_out(pick, 0, new_blocks)]
         else:
-            handed = [self._hand_out(pick, max(new_blocks - overlap, 0), new_blocks)]
+            handed.append(self._hand_out(pick, max(new_blocks - overlap, 0), new_blocks))
         self._handed[info.request_id] = handed
         return RouteDecision(decode_workers=tuple(w.ref for w, _ in ordered),
                              prefill_workers=tuple(w.ref for w, _ in prefill_ordered),
+                             encode_workers=tuple(w.ref for w, _ in encode_ordered),
                              disaggregate=bool(prefill_ordered), overlap_blocks=overlap)
 
     @staticmethod

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import AbstractContextManager
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from tandem.engines.types import EngineRequest, KvHandle, PrefillResult, TokenChunk
+from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResult, TokenChunk
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status, tracing
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.v1 import (
     decode_pb2,
     decode_pb2_grpc,
+    encode_pb2,
+    encode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
     router_pb2,
@@ -72,12 +74,14 @@ class RouterClient:
 
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
-                    timeout_s: float | None = None) -> RouteDecision:
+                    timeout_s: float | None = None, block_hashes: Sequence[int] = (),
+                    has_images: bool = False) -> RouteDecision:
         completed = self._take_pending()
         request = router_pb2.RouteRequest(
             request_id=request_id, token_ids=token_ids, isl=len(token_ids),
             expected_osl=expected_osl, exclude_worker_ids=exclude_ids, completed=completed,
-            max_local_prefill_length=self.max_local_prefill_length)
+            max_local_prefill_length=self.max_local_prefill_length,
+            block_hashes=block_hashes, has_images=has_images)
         if sla.ttft_ms is not None:
             request.sla.ttft_ms = sla.ttft_ms
         if sla.itl_ms is not None:
@@ -172,7 +176,8 @@ class PrefillClients(_Channels):
                       timeout_s: float | None = None) -> PrefillResult:
         message = prefill_pb2.PrefillRequest(
             request_id=request.request_id, token_ids=request.prompt_token_ids,
-            sampling=convert.sampling_to_pb(request.sampling))
+            sampling=convert.sampling_to_pb(request.sampling),
+            embeddings=[convert.embedding_to_pb(e) for e in request.embeddings])
         stub = prefill_pb2_grpc.PrefillStub(self.channel(address))
         with _client_span("Prefill", "Prefill", address) as span:
             try:
@@ -221,7 +226,8 @@ class DecodeClients(_Channels):
         """Streams chunks from the worker; closing the iterator cancels the call."""
         message = decode_pb2.GenerateRequest(
             request_id=request.request_id, token_ids=request.prompt_token_ids,
-            sampling=convert.sampling_to_pb(request.sampling))
+            sampling=convert.sampling_to_pb(request.sampling),
+            embeddings=[convert.embedding_to_pb(e) for e in request.embeddings])
         if request.kv_handle is not None and request.first_token is not None:
             message.kv_handle.CopyFrom(convert.kv_handle_to_pb(request.kv_handle))
             message.first_token.CopyFrom(convert.logprob_to_pb(request.first_token))
@@ -241,3 +247,28 @@ class DecodeClients(_Channels):
                 raise status.from_rpc_error(exc, f"decode worker {address}") from None
             finally:
                 call.cancel()
+
+
+class EncodeClients(_Channels):
+    """Encode calls to encode workers (frontend)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        #: Served model name, sent with every request.
+        self.model = model
+
+    async def encode(self, address: str, request_id: str, images: Sequence[Embedding],
+                     timeout_s: float | None = None) -> list[Embedding]:
+        """Embeddings of `images` (items not yet encoded: their data is the image file)."""
+        message = encode_pb2.EncodeRequest(request_id=request_id, model=self.model, images=[
+            encode_pb2.ImageInput(data=image.data, mime_type=image.dtype,
+                                  content_hash=image.content_hash)
+            for image in images if isinstance(image.data, bytes)])
+        stub = encode_pb2_grpc.EncodeStub(self.channel(address))
+        with _client_span("Encode", "Encode", address) as span:
+            try:
+                reply = await stub.Encode(message, timeout=timeout_s, metadata=(
+                    (REQUEST_ID_KEY, request_id), *tracing.inject(span)))
+            except grpc.aio.AioRpcError as exc:
+                raise status.from_rpc_error(exc, f"encode worker {address}") from None
+        return [convert.embedding_from_pb(e) for e in reply.embeddings]

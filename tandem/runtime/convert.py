@@ -132,6 +132,22 @@ def embedding_from_pb(msg: pb.MultimodalEmbedding) -> t.Embedding:
                        msg.placeholder_offset)
 
 
+def embedding_to_pb(item: t.Embedding) -> pb.MultimodalEmbedding:
+    msg = pb.MultimodalEmbedding(content_hash=item.content_hash, shape=item.shape,
+                                 dtype=item.dtype, placeholder_offset=item.placeholder_offset)
+    if isinstance(item.data, t.NixlTensorRef):
+        ref = item.data
+        msg.nixl.CopyFrom(pb.NixlTensorRef(
+            agent_name=ref.agent_name, agent_metadata=ref.agent_metadata,
+            descriptor=pb.MemoryDescriptor(address=ref.descriptor.address,
+                                           length=ref.descriptor.length,
+                                           device_id=ref.descriptor.device_id),
+            memory_type=ref.memory_type))
+    else:
+        msg.raw = item.data
+    return msg
+
+
 def stored_to_pb(event: t.BlockStored) -> ev_pb.BlockStored:
     msg = ev_pb.BlockStored(block_hashes=event.block_hashes, token_ids=event.token_ids,
                             block_size=event.block_size, mm_hashes=event.mm_hashes)

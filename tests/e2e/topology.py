@@ -44,6 +44,7 @@ class Topology:
     router_address: str
     protos_root: str = str(ROOT / "protos")
     prefill_addresses: list[str] = dataclasses.field(default_factory=list)
+    encode_addresses: list[str] = dataclasses.field(default_factory=list)
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -51,13 +52,17 @@ class Topology:
         return self.process.wait(timeout=60)
 
 
-def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0,
+def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_encode: int = 0,
                    env: Mapping[str, str] | None = None) -> Topology:
     """Runs `tandem up` on free ports and returns once it printed its READY line; with
-    `num_prefill`, disaggregated (`--disagg`); `env` adds to the environment of every service."""
-    http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill)
-    decode, prefill = workers[:num_decode], workers[num_decode:]
+    `num_prefill`, disaggregated (`--disagg`); with `num_encode`, an encode pool
+    (`--encode-ports`); `env` adds to the environment of every service."""
+    http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill + num_encode)
+    decode, prefill = workers[:num_decode], workers[num_decode:num_decode + num_prefill]
+    encode = workers[num_decode + num_prefill:]
     disagg = ["--disagg", "--prefill-ports", *map(str, prefill)] if prefill else []
+    if encode:
+        disagg += ["--encode-ports", *map(str, encode)]
     argv = tandem_cmd("up", "--http-port", str(http), "--grpc-port", str(grpc_port),
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
                       "--grace-period-s", "5", *disagg, *extra)
@@ -69,7 +74,8 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0,
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
     return Topology(proc, fields["http"], fields["grpc"], fields["model"], fields["tokenizer"],
                     [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}",
-                    prefill_addresses=[f"127.0.0.1:{p}" for p in prefill])
+                    prefill_addresses=[f"127.0.0.1:{p}" for p in prefill],
+                    encode_addresses=[f"127.0.0.1:{p}" for p in encode])
 
 
 def _read_ready_line(proc: subprocess.Popen[str]) -> str:

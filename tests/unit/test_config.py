@@ -149,3 +149,32 @@ def test_shipped_sla_pools_example_builds_a_router(tmp_path: pathlib.Path) -> No
     grid = GridConfig.from_file(str(ROOT / "deploy/sla-grid.json"))
     router = Router(routed.resolved_pools(), grid, routed.block_size, routed.typical_osl)
     assert [p.name for p in router.pools] == ["fast", "bulk"]
+
+
+def test_encode_ports_add_an_encode_pool_and_the_frontend_gets_block_size_and_media(
+        tmp_path: pathlib.Path) -> None:
+    d = config_lib.load(Deployment, [
+        "--disagg", "--encode-ports", "9500", "9501", "--kv-block-size", "16",
+        "--allowed-media-networks", "127.0.0.0/8", "10.0.0.0/8", "--max-file-size-mb", "5"],
+        prog="t")
+    procs = processes(d, tmp_path)
+    assert [p.name for p in procs] == ["decode-0", "prefill-0", "encode-0", "encode-1", "router",
+                                       "frontend"]
+    encode = procs[2].argv
+    assert encode[encode.index("serve") + 1] == "encode"
+    assert encode[encode.index("--kv-block-size") + 1] == "16"
+    routed = _router_yaml(procs[4].argv)
+    assert routed["pools"][-1] == {"name": "encode", "kind": "encode", "policy": "round_robin",
+                                   "workers": ["127.0.0.1:9500", "127.0.0.1:9501"]}
+    frontend_argv = procs[5].argv
+    from services.frontend.main import FrontendConfig
+
+    frontend = config_lib.load(FrontendConfig, frontend_argv[frontend_argv.index("frontend") + 1:],
+                               prog="t")
+    assert frontend.kv_block_size == 16
+    assert frontend.media.allowed_media_networks == ("127.0.0.0/8", "10.0.0.0/8")
+    assert frontend.media.max_file_size_mb == 5.0
+    # The mock engine has no vision encoder: refused before anything starts.
+    with pytest.raises(InvalidRequest, match="mock engine"):
+        processes(config_lib.load(Deployment, ["--engine", "mock", "--encode-ports", "9500"],
+                                  prog="t"), tmp_path)

@@ -55,7 +55,11 @@ BAD: list[tuple[str, Any, dict[str, str], str | None, str]] = [
     ("chat", msg(role=["user"], content="hi"), {}, "messages[0].role", "one of"),
     ("chat", msg(role="user"), {}, "messages[0].content", "required"),
     ("chat", msg(role="user", content=5), {}, "messages[0].content", "got integer"),
-    ("chat", msg(role="user", content=[IMAGE]), {}, "messages[0].content[0]", "encode stage"),
+    ("chat", msg(role="user", content=[{"type": "image"}]), {}, "messages[0].content[0].type",
+     "not an OpenAI content part"),
+    ("chat", msg(role="user", content=[{"type": "image_url", "image_url": {"url": ""}}]), {},
+     "messages[0].content[0].image_url.url", "non-empty string"),
+    ("chat", msg(role="user", content=[IMAGE] * 17), {}, "messages", "at most 16 images"),
     ("chat", msg(role="user", content=[{"type": "text", "text": 3}]), {},
      "messages[0].content[0].text", "string"),
     ("chat", msg(role="user", content=[{"type": "input_audio"}]), {},
@@ -194,6 +198,27 @@ def test_chat_messages_text_parts_roles_and_extra_fields() -> None:
         {"role": "assistant", "content": ""},
         {"role": "tool", "content": "42"},
     )
+
+
+def test_image_parts_become_template_parts_and_image_refs_in_order() -> None:
+    body = chat(messages=[
+        {"role": "user", "content": [
+            {"type": "text", "text": "compare"}, IMAGE,
+            {"type": "input_image", "image_url": "https://example.com/b.png"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": "file:///x/c.png"}]},
+    ])
+    parsed = oai_request.parse_request(body, "chat")
+    assert parsed.messages == (
+        {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                                     {"type": "image"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "image"}]},
+    )
+    assert [(i.url, i.param) for i in parsed.images] == [
+        ("data:image/png;base64,AAAA", "messages[0].content[1]"),
+        ("https://example.com/b.png", "messages[0].content[2]"),
+        ("file:///x/c.png", "messages[2].content[0]")]
 
 
 @pytest.mark.parametrize(("fields", "expected"), [

@@ -4,7 +4,7 @@ the client's error, never a silent retry. Router and workers are scripted stand-
 ports; the pipeline, detokenizer and tokenizer are the real ones."""
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import pytest
 
@@ -27,7 +27,8 @@ class ScriptedRouter:
 
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
-                    timeout_s: float | None = None) -> RouteDecision:
+                    timeout_s: float | None = None, block_hashes: Sequence[int] = (),
+                    has_images: bool = False) -> RouteDecision:
         self.excluded.append(tuple(exclude_ids))
         return RouteDecision(tuple(w for w in WORKERS if w.worker_id not in exclude_ids))
 

@@ -119,3 +119,29 @@ def test_grid_pool_names_must_match_the_router_order() -> None:
         Router(pools, load_grid_config(named), 4, 1024)
     ok = {**AGG_GRID, "agg_pool_dynamo_namespaces": ["fast", "slow"]}
     assert [p.name for p in Router(pools, load_grid_config(ok), 4, 1024).pools] == ["fast", "slow"]
+
+
+def test_encode_pool_is_picked_only_for_images_and_counted_until_complete() -> None:
+    encoders = ["127.0.0.1:9400", "127.0.0.1:9401"]
+    router = Router([PoolConfig("decode", "decode", ADDRS[:1]),
+                     PoolConfig("encode", "encode", encoders, policy="least_loaded")],
+                    None, 4, 1024)
+    text = router.route(info("text"))
+    assert text.encode_workers == () and text.decode_workers[0].pool == "decode"
+    with_images = [router.route(RouteRequestInfo(f"img{i}", [1, 2, 3], (), 3, 16, SlaHints(),
+                                                 has_images=True)) for i in range(2)]
+    # Least loaded: the second request goes to the encoder the first one did not take.
+    assert [d.encode_workers[0].worker_id for d in with_images] in (encoders, encoders[::-1])
+    assert all(len(d.encode_workers) == 2 for d in with_images)  # the other is the fallback
+    assert [router.in_flight(a) for a in encoders] == [1, 1]
+    assert router.in_flight(ADDRS[0]) == 3  # the decode worker serves all three
+    assert router.complete("img0") and router.complete("img1")
+    assert [router.in_flight(a) for a in encoders] == [0, 0]
+    for worker in router.pools[1].workers.values():
+        worker.healthy = False
+    # No healthy encoder: the request still routes; the decode worker encodes itself.
+    alone = router.route(RouteRequestInfo("img2", [1, 2, 3], (), 3, 16, SlaHints(),
+                                          has_images=True))
+    assert alone.encode_workers == () and alone.decode_workers[0].worker_id == ADDRS[0]
+    with pytest.raises(InvalidRequest, match="encode pool"):
+        Router([PoolConfig("encode", "encode", encoders, policy="kv")], None, 4, 1024)

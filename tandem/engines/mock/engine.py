@@ -78,6 +78,11 @@ class MockEngine(BatchingEngine):
 def create_mock_engine(args: EngineArgs) -> MockEngine:
     """Builds a MockEngine from the model directory's config.json (no weights are read)."""
     validate_args(args)
+    if args.encode_only:
+        # Refused at start rather than answering every Encode with UNIMPLEMENTED.
+        raise InvalidRequest("the mock engine has no vision encoder, so it cannot run an encode "
+                             "worker; use --engine reference (or trtllm) with a vision model",
+                             param="engine")
     if args.speedup_ratio < 0:
         raise InvalidRequest(f"speedup_ratio must be >= 0, got {args.speedup_ratio}",
                              param="speedup_ratio")
