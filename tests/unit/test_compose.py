@@ -382,10 +382,15 @@ def test_router_pools_point_at_the_worker_services() -> None:
         _, router = topology["router"]
         assert isinstance(router, RouterConfig)
         kinds = {"prefill": "prefill", "decode": "decode"}
-        assert sorted(p.kind for p in router.pools) == sorted(kinds.values())
+        assert sorted(p.kind for p in router.pools) == sorted([*kinds.values(), "encode"])
         for pool in router.pools:
             assert pool.dns and not pool.workers, "DNS pools follow `--scale`"
             host, _, port = pool.dns.rpartition(":")
+            if pool.kind == "encode":  # its worker runs in the encode profile only
+                _, encoder = parse_serve(services["encode"]["command"])
+                assert host in dns_names("encode", services["encode"])
+                assert int(port) == encoder.port
+                continue
             stage = next(s for s, k in kinds.items() if k == pool.kind)
             name, worker = topology[stage]
             assert host in dns_names(name, services[name]) and int(port) == worker.port
@@ -449,8 +454,10 @@ def test_compose_agrees_with_tandem_up(tmp_path: pathlib.Path) -> None:
         for theirs in configs:
             assert _comparable(theirs) == _comparable(ours), stage
     _, router = compose["router"]
+    # The encode pool stays empty unless the encode profile runs (`tandem up` adds one only
+    # with --encode-ports).
     assert sorted(p.kind for p in up_stages["router"][0].resolved_pools()) == sorted(
-        p.kind for p in router.resolved_pools())
+        p.kind for p in router.resolved_pools() if p.kind != "encode")
     assert up_stages["frontend"][0].router_address.rpartition(":")[2] == str(router.port)
     assert compose["frontend"][1].router_address.rpartition(":")[2] == str(router.port)
 

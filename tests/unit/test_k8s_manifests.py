@@ -229,7 +229,7 @@ def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> N
     router = stages["router"][1]
     assert isinstance(router, RouterConfig)
     pools = {p.kind: p for p in router.pools}
-    assert set(pools) == {"prefill", "decode"}
+    assert set(pools) == {"prefill", "decode", "encode"}
     for stage in WORKER_STAGES:
         deployment, worker = stages[stage]
         service = headless_service(stage, deployment)
