@@ -152,9 +152,21 @@ def device_id(tensor: Any) -> int:
 
 
 # ----------------------------------------------------------------------------- agents
-def new_agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
+def nixl_api() -> Any:
+    """nixl._api from the `nixl` meta package, or straight from a nixl-cuXX wheel without it."""
+    import importlib
 
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            error = exc
+    raise error
+
+
+def new_agent(name: str) -> Any:
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     # The progress thread answers peers' reads when the source process does nothing.
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
 
@@ -249,6 +261,8 @@ def run_case(case: Case) -> None:
             local, remote = descriptors(case, kind, dst.data_ptr(), device_id(dst), src_base,
                                         src_dev)
             dst.zero_()
+            if case.device != "cpu":
+                torch.cuda.synchronize()  # UCX copies on its own streams
             times: list[float] = []
             started = time.perf_counter()
             try:
@@ -297,14 +311,18 @@ def report_transports(device: str) -> None:
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("UCX_", "NIXL_", "CUDA_")) or k == "LD_LIBRARY_PATH"}
     print(f"environment: {env or 'no UCX_/NIXL_/CUDA_ variables'}")
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+        print(f"nvidia-smi: {out}")
     try:
-        import nixl  # noqa: F401
-        from nixl import _api
-
+        _api = nixl_api()
         agent = new_agent(f"probe-{os.getpid()}")
         print(f"nixl backend module: {_api.__name__}; plugins: {agent.get_plugin_list()}; "
               f"UCX memory types: {agent.get_backend_mem_types('UCX')}; "
               f"UCX params: {agent.get_backend_params('UCX')}")
+        # nixl._api is the nixl_cuXX._api module; its libraries sit in nixl_cuXX.libs.
         libs = os.path.join(os.path.dirname(os.path.dirname(_api.__file__)),
                             _api.__name__.split(".")[0] + ".libs")
     except Exception as exc:  # the report goes on without it
@@ -437,7 +455,7 @@ def main() -> None:
     parser.add_argument("--cap-s", type=float, default=1.0,
                         help="stop repeating a measurement after this long")
     parser.add_argument("--case-timeout-s", type=float, default=60.0)
-    parser.add_argument("--budget-s", type=float, default=280.0,
+    parser.add_argument("--budget-s", type=float, default=240.0,
                         help="cases not started within this are skipped")
     parser.add_argument("--log-dir", default="/tmp/kv_transfer_gpu_logs")
     parser.add_argument("--dry-run", action="store_true",

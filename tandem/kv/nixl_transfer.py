@@ -15,9 +15,11 @@ by hand on loopback):
     local region length, local block ids inside the pool. NIXL itself rejects remote
     descriptors outside the peer's registered memory (at `initialize_xfer`), and garbage
     metadata makes `add_remote_agent` raise (it does not abort the process).
-  - A peer that died, before or during the read, surfaces as NIXL_ERR_REMOTE_DISCONNECT within
-    milliseconds (UCX peer error handling). UCX has then failed the endpoint, which completes
-    every operation on it: nothing writes into the local blocks any more.
+  - A peer that died before the read fails it within milliseconds: loading its metadata fails
+    (no connection yet: nixlBackendError, ~60 ms here) or the READ reports
+    NIXL_ERR_REMOTE_DISCONNECT (UCX peer error handling; also when it dies during a read over
+    TCP). UCX has then failed the endpoint, which completes every operation on it: nothing
+    writes into the local blocks any more.
   - Releasing an in-flight transfer does NOT stop it: UCX cannot cancel a GET, and bytes kept
     landing in the local buffer after `release()` (and after `remove_remote_agent`). The only
     way to stop one is to destroy the local UCX worker, i.e. the whole NIXL agent. So a read that
@@ -33,8 +35,10 @@ by hand on loopback):
 
 UCX notes: the source agent runs NIXL's progress thread (`enable_prog_thread`); over TCP the GET
 is emulated with messages the source's worker must answer, and without that thread a read never
-completes. Same-host CPU reads use shared memory (CMA): the copy runs inside `transfer()`, on the
-calling thread, at memory-copy speed. UCX_TLS restricts transports (e.g. UCX_TLS=tcp); leave it
+completes. Same-host CPU reads use CMA (process_vm_readv): the copy runs inside `transfer()`, on
+the calling thread, at process_vm_readv speed (0.3-0.6 of memcpy on the 2-core dev VM; see
+benchmarks/kv_transfer.py). Shared-memory-only settings (posix, sysv) are refused: NIXL asks for
+UCX peer error handling, which they lack. UCX_TLS restricts transports (e.g. UCX_TLS=tcp); leave it
 unset rather than empty (empty makes UCX refuse to start).
 """
 from __future__ import annotations
@@ -311,36 +315,34 @@ class NixlTransfer(KvTransfer):
         agent.connect(peer, handle.nixl_agent_metadata)
         key = agent.post_read(local_descs, remote_descs, handle.nixl_memory_type, peer)
         try:
-            state = agent.state(key, first=True)
-            delay = 0.0
-            while state == "PROC" and loop.time() < deadline:
-                await asyncio.sleep(delay)
-                delay = min(max(2 * delay, _MIN_POLL_S), _MAX_POLL_S)
-                state = agent.state(key)
+            state = await self._wait(agent, key, agent.state(key, first=True), deadline)
+            timed_out = state == "PROC"
+            if timed_out:
+                state = await self._wait(agent, key, state, loop.time() + self.cancel_grace_s)
         except asyncio.CancelledError:
             # The caller frees the blocks once this returns; only a teardown makes that safe.
             self._teardown(agent, "a read was cancelled in flight")
             raise
         if state == "PROC":
-            state = await self._drain(agent, key)
-            if state == "PROC":
-                self._teardown(agent, f"a read from '{peer}' outlived its timeout and "
-                                      f"{self.cancel_grace_s} s more")
-                raise TransferError(f"reading {num_blocks} blocks from '{peer}' took longer "
-                                    f"than {timeout_s:.3f} s; the NIXL agent was reset")
-            self._finish(agent, key, peer, state)
+            self._teardown(agent, f"a read from '{peer}' outlived its timeout and "
+                                  f"{self.cancel_grace_s} s more")
+            raise TransferError(f"reading {num_blocks} blocks from '{peer}' took longer than "
+                                f"{timeout_s:.3f} s; the NIXL agent was reset")
+        self._finish(agent, key, peer, state)
+        if timed_out:
             raise TransferError(f"reading {num_blocks} blocks from '{peer}' took longer than "
                                 f"{timeout_s:.3f} s")
-        self._finish(agent, key, peer, state)
         return num_blocks * self.block_bytes
 
-    async def _drain(self, agent: _Agent, key: int) -> str:
-        """Waits up to `cancel_grace_s` for a timed-out transfer to end; its last state."""
+    @staticmethod
+    async def _wait(agent: _Agent, key: int, state: str, deadline: float) -> str:
+        """Polls a transfer until it is no longer in progress or the loop's clock passes
+        `deadline`; its last state."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.cancel_grace_s
-        state = agent.state(key)
-        while state == "PROC" and loop.time() < end:
-            await asyncio.sleep(_MAX_POLL_S)
+        delay = 0.0
+        while state == "PROC" and loop.time() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(max(2 * delay, _MIN_POLL_S), _MAX_POLL_S)
             state = agent.state(key)
         return state
 

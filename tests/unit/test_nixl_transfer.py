@@ -124,19 +124,30 @@ def test_source_lists_layer_then_k_v_then_block_regions(decode: NixlTransfer) ->
     assert source.agent_name.startswith(f"test-decode-{os.getpid()}-")
 
 
-@pytest.mark.parametrize(("remote_ids", "local_ids"), [
-    ([3, 4, 5, 9, 0], [10, 11, 12, 2, 7]),  # a contiguous run on both sides, then scattered
-    (list(range(16)), list(range(16))),  # the whole pool: one descriptor
-    ([15, 14, 13], [0, 1, 2]),  # contiguous locally only
+def num_descriptors(decode: NixlTransfer, source: TransferSource, local_ids: list[int]) -> int:
+    def addresses(s: TransferSource) -> np.ndarray:
+        return np.array([d.address for d in s.descriptors], dtype=np.uint64)
+    remote = addresses(source)
+    return len(coalesce(addresses(decode.source(local_ids)), remote, np.zeros_like(remote),
+                        REGION_BYTES, 0)[0])
+
+
+@pytest.mark.parametrize(("remote_ids", "local_ids", "descriptors"), [
+    # Per (layer, K|V): the run 3-5 -> 10-12, then two single blocks.
+    ([3, 4, 5, 9, 0], [10, 11, 12, 2, 7], 4 * 3),
+    (list(range(16)), list(range(16)), 1),  # the whole pool
+    ([15, 14, 13], [0, 1, 2], 4 * 3),  # contiguous locally only
 ])
 async def test_read_copies_the_blocks_in_order(prefill: Prefill, decode: NixlTransfer,
-                                               remote_ids: list[int], local_ids: list[int]) -> None:
+                                               remote_ids: list[int], local_ids: list[int],
+                                               descriptors: int) -> None:
     source, remote_checksum = prefill.source(remote_ids)
     moved = await decode.read(handle_for(source, remote_ids), local_ids, timeout_s=30)
     assert moved == len(remote_ids) * BLOCK_BYTES
     assert decode.checksum(local_ids) == remote_checksum
     assert_only_blocks_written(decode.kv_cache, {
         local: prefill.pool[:, :, remote] for local, remote in zip(local_ids, remote_ids)})
+    assert num_descriptors(decode, source, local_ids) == descriptors
 
 
 async def test_metadata_change_for_a_known_name_is_reloaded(prefill: Prefill,
@@ -266,3 +277,17 @@ async def test_a_timed_out_or_cancelled_read_writes_nothing_afterwards(
     source, checksum = prefill.source([6])
     await decode.read(handle_for(source, [6]), [12], timeout_s=30)
     assert decode.checksum([12]) == checksum
+
+
+async def test_a_read_ending_within_the_grace_fails_without_a_reset(
+        frozen_peer: tuple[Prefill, KvHandle, NixlTransfer]) -> None:
+    peer, handle, decode = frozen_peer
+    decode.cancel_grace_s = 30
+    agent_name = decode.source([0]).agent_name
+    asyncio.get_running_loop().call_later(0.5, peer.signal, signal.SIGCONT)
+    with pytest.raises(TransferError, match="took longer than 0.200 s$"):
+        await decode.read(handle, [8, 9], timeout_s=0.2)
+    assert decode.source([0]).agent_name == agent_name
+    # Late but whole: the bytes landed before the read returned.
+    assert_only_blocks_written(decode.kv_cache, {0: peer.pool[:, :, 0], 8: peer.pool[:, :, 3],
+                                                 9: peer.pool[:, :, 4]})
