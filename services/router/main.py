@@ -19,6 +19,7 @@ from tandem.routing.workers import WorkerState
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
 from tandem.runtime.server import GrpcService, ServerOptions
+from tandem.runtime.tls import TlsConfig
 from tandem.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,16 @@ class Membership:
     """One watcher per worker; DNS pools re-resolved every `refresh_s`."""
 
     def __init__(self, router: Router, refresh_s: float,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], tls: TlsConfig | None = None) -> None:
         self.router = router
+        self.tls = tls
         self.refresh_s = refresh_s
         self.on_change = on_change
         self.watchers: dict[str, WorkerWatcher] = {}
 
     def _watch(self, workers: Sequence[WorkerState]) -> None:
         for state in workers:
-            watcher = WorkerWatcher(state, self.router.index, self.on_change)
+            watcher = WorkerWatcher(state, self.router.index, self.on_change, self.tls)
             self.watchers[state.worker_id] = watcher
             watcher.start()
 
@@ -85,7 +87,8 @@ async def serve(config: RouterConfig) -> None:
     tracing.setup("router")
     log.info("config", extra={"config": config_lib.as_dict(config)})
     router = build_router(config)
-    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
+    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s,
+                                        config.max_message_bytes, config.tls),
                           ["tandem.v1.Router"])
     metrics = RouterMetrics()
     build_info.register(metrics.registry, "router")
@@ -101,7 +104,7 @@ async def serve(config: RouterConfig) -> None:
     def on_change() -> None:
         # The router serves only while some worker can take a request: `tandem up` and
         # orchestrators then never send traffic to a router that would answer UNAVAILABLE.
-        serving = any(w.healthy for w in router.all_workers())
+        serving = router.can_serve()
         for pool in router.pools:
             metrics.healthy_workers.labels(pool.name).set(
                 sum(w.healthy for w in pool.workers.values()))
@@ -114,7 +117,7 @@ async def serve(config: RouterConfig) -> None:
     # NOT_SERVING until the first worker is healthy (set before any watcher can report).
     service.serve_when_started = False
     await service.set_serving(False)
-    membership = Membership(router, config.dns_refresh_s, on_change)
+    membership = Membership(router, config.dns_refresh_s, on_change, config.tls)
     dns_tasks = membership.start(config.resolved_pools())
 
     async def close() -> None:

@@ -106,6 +106,12 @@ class Router:
                                      f"but the router lists {have} (same names, same order)",
                                      param="pools")
 
+    def can_serve(self) -> bool:
+        """Whether some request could be routed now: a healthy decode or aggregated worker
+        (prefill and encode workers alone serve nothing)."""
+        return any(w.healthy for kind in ("decode", "agg") for pool in self._by_kind[kind]
+                   for w in list(pool.workers.values()))
+
     def all_workers(self) -> list[WorkerState]:
         # list() of dict values is atomic under the GIL: the metrics thread may call this.
         return [w for pool in list(self.pools) for w in list(pool.workers.values())]

@@ -145,3 +145,22 @@ def test_encode_pool_is_picked_only_for_images_and_counted_until_complete() -> N
     assert alone.encode_workers == () and alone.decode_workers[0].worker_id == ADDRS[0]
     with pytest.raises(InvalidRequest, match="encode pool"):
         Router([PoolConfig("encode", "encode", encoders, policy="kv")], None, 4, 1024)
+
+
+def test_disaggregation_hands_out_both_workers_and_only_decode_workers_make_it_serve() -> None:
+    router = Router([PoolConfig("decode", "decode", ["d:1"]),
+                     PoolConfig("prefill", "prefill", ["p:1"])], None, 4, 1024)
+    decision = router.route(RouteRequestInfo("r", list(range(40)), (), 40, 16, SlaHints()))
+    assert decision.disaggregate and decision.prefill_workers[0].worker_id == "p:1"
+    assert router.in_flight("p:1") == router.in_flight("d:1") == 1
+    router.complete("r")
+    assert router.in_flight("p:1") == router.in_flight("d:1") == 0
+    # Short prompts stay on the decode worker (conditional disaggregation).
+    short = router.route(RouteRequestInfo("s", [1, 2, 3], (), 3, 16, SlaHints(),
+                                          max_local_prefill_length=8))
+    assert not short.disaggregate and not short.prefill_workers
+    workers = {w.worker_id: w for w in router.all_workers()}
+    workers["d:1"].healthy = False
+    assert not router.can_serve()  # a prefill worker alone serves nothing
+    workers["d:1"].healthy = True
+    assert router.can_serve()
