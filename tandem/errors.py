@@ -21,6 +21,10 @@ class ModelNotFound(TandemError):
     """The request names a model this deployment does not serve."""
 
 
+class Unauthenticated(TandemError):
+    """The request carries no valid API key."""
+
+
 class Overloaded(TandemError):
     """A bounded queue is full; the client should retry later."""
 

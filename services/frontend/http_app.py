@@ -8,9 +8,12 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from tandem.errors import InvalidRequest, TandemError, Unavailable
+from services.frontend.openapi import openapi_document
+from tandem.errors import InvalidRequest, TandemError, Unauthenticated, Unavailable
+from tandem.frontend.auth import ApiKeys
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
@@ -21,9 +24,12 @@ from tandem.runtime import logs, tracing
 from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
+OPENAPI = openapi_document()
 #: Overloaded (429) and draining/unavailable (503) are worth retrying shortly.
 _RETRYABLE = frozenset({429, 503})
 _RETRY_AFTER_S = "1"
+#: Probes and scrapers reach these without an API key; they reveal no model output.
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -52,6 +58,7 @@ class OpenAIRoutes:
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/openapi.json", self.openapi)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat", "chat_completions")
@@ -110,7 +117,7 @@ class OpenAIRoutes:
             log.info("request", extra={"client_request_id": client_id})
         responder = OpenAIResponder(parsed, self.frontend.model.name,
                                     self.frontend.token_text)
-        deltas = self.frontend.pipeline.generate(gen)
+        deltas = self.frontend.generate(gen)
         try:
             if parsed.stream:
                 return await self._stream(request, responder, deltas, tracker)
@@ -173,6 +180,9 @@ class OpenAIRoutes:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "healthy", "model": self.frontend.model.name})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "live"})
 
@@ -192,3 +202,18 @@ async def json_errors(request: web.Request, handler):  # type: ignore[no-untyped
         body = {"error": {"message": exc.reason if exc.text is None else exc.text,
                           "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=exc.status)
+
+
+def api_key_auth(keys: ApiKeys) -> Middleware:
+    """401 in OpenAI's error shape for a request without a valid API key (OPEN_PATHS exempt)."""
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            try:
+                keys.check(request.headers.get("Authorization"))
+            except Unauthenticated as exc:
+                status, body = http_error(exc)
+                return web.json_response(body, status=status,
+                                         headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+    return auth

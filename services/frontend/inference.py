@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.frontend.auth import ApiKeys
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
@@ -65,9 +66,16 @@ def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, frontend: Frontend, draining: Draining) -> None:
+    def __init__(self, frontend: Frontend, draining: Draining,
+                 api_keys: ApiKeys | None = None) -> None:
         self.frontend = frontend
         self.draining = draining
+        self.api_keys = api_keys or ApiKeys(())
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """Raises Unauthenticated (UNAUTHENTICATED) without a valid `authorization` key."""
+        values = [str(v) for k, v in context.invocation_metadata() or () if k == "authorization"]
+        self.api_keys.check(values[0] if values else None)
 
     async def Generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[pb.InferenceChunk, None]:
@@ -87,6 +95,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext,
                         tracker: RequestTracker) -> AsyncGenerator[pb.InferenceChunk, None]:
+        self._authenticate(context)
         if self.draining.active:
             raise Unavailable("the frontend is draining")
         body, kind = openai_body(request)
@@ -94,7 +103,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         priority = request.priority if request.HasField("priority") else None
         gen = await self.frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
-        deltas = self.frontend.pipeline.generate(gen)
+        deltas = self.frontend.generate(gen)
         sent_metadata = False
         try:
             async for delta in deltas:
@@ -118,6 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        self._authenticate(context)
         model = self.frontend.model
         return pb.ListModelsResponse(models=[pb.ModelCard(id=model.name,
                                                           max_model_len=model.max_model_len)])

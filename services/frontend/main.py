@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from services.frontend.http_app import OpenAIRoutes, json_errors
+from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
+from tandem.frontend.admission import Admission
+from tandem.frontend.auth import ApiKeys
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.frontend import Frontend, ImageSupport, ModelInfo
 from tandem.frontend.metrics import FrontendMetrics
@@ -23,6 +25,7 @@ from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
 from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
+from tandem.runtime.tls import TlsConfig, http_ssl_context
 from tandem.v1 import inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,20 @@ class FrontendConfig:
     max_seq_len: int = 0
     #: Largest accepted HTTP request body, bytes.
     max_request_bytes: int = 32 * 1024 * 1024
+    #: Most messages in one chat request (more: 400).
+    max_messages: int = 1000
+    #: Largest gRPC message the public gRPC port accepts or sends, bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
+    #: API keys clients must send (`Authorization: Bearer <key>`); with --api-keys-file and
+    #: $TANDEM_API_KEYS (all three together). None anywhere: no authentication.
+    api_keys: list[str] = field(default_factory=list, metadata={"secret": True})
+    #: File of API keys, one per line ('#' starts a comment line).
+    api_keys_file: str = ""
+    #: Admission control: most requests sent on to workers at once; 0: no limit.
+    max_inflight_requests: int = 4096
+    #: Most requests waiting for one of those slots (first come, first served); past it the
+    #: frontend answers 429 with Retry-After (gRPC: RESOURCE_EXHAUSTED).
+    max_queued_requests: int = 4096
     #: Longest a request may take end to end, seconds (then 504 / DEADLINE_EXCEEDED); 0: none.
     request_timeout_s: float = 0.0
     #: Longest wait for the router's answer, seconds.
@@ -51,6 +68,10 @@ class FrontendConfig:
     #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
     #: not cached on the decode worker is at most this many tokens skip the prefill worker.
     max_local_prefill_length: int = 0
+    #: Times a request whose decode stream broke (worker died, stream failed) moves to another
+    #: decode worker, resuming after the tokens it already has; 0: never (the client gets the
+    #: error).
+    migration_limit: int = 2
     #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
     #: prompts with images for the router, which must match the workers' hashes.
     kv_block_size: int = 32
@@ -59,6 +80,8 @@ class FrontendConfig:
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     grace_period_s: float = 30.0
     log_level: str = "info"
+    #: TLS on the HTTP and gRPC ports, TLS/mTLS on the channels to router and workers (--tls-*).
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 @dataclass(frozen=True)
@@ -92,16 +115,21 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     media = MediaFetcher(config.media) if placeholders is not None else None
     clients = FrontendClients(
         RouterClient(config.router_address, timeout_s=config.router_timeout_s,
-                     max_local_prefill_length=config.max_local_prefill_length),
-        DecodeClients(), PrefillClients(), EncodeClients(model.name), media)
+                     max_local_prefill_length=config.max_local_prefill_length, tls=config.tls),
+        DecodeClients(config.tls), PrefillClients(config.tls),
+        EncodeClients(model.name, config.tls), media)
     pipeline = Pipeline(clients.router, clients.decode,
                         lambda req: IncrementalDetokenizer(
                             tokenizer, req.prompt_token_ids, stop=req.stop,
                             skip_special_tokens=req.skip_special_tokens),
-                        FrontendMetrics(model.name), clients.prefill, clients.encode)
+                        FrontendMetrics(model.name), clients.prefill, clients.encode,
+                        migration_limit=config.migration_limit)
     images = (ImageSupport(placeholders, media, config.kv_block_size)
               if placeholders is not None and media is not None else None)
-    frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images)
+    frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images,
+                        max_messages=config.max_messages,
+                        admission=Admission(config.max_inflight_requests,
+                                            config.max_queued_requests))
     return frontend, clients
 
 
@@ -109,26 +137,33 @@ async def serve(config: FrontendConfig) -> None:
     logs.setup("frontend", config.log_level)
     tracing.setup("frontend")
     log.info("config", extra={"config": config_lib.as_dict(config)})
+    api_keys = ApiKeys.load(config.api_keys, config.api_keys_file)
+    ssl_context = http_ssl_context(config.tls)
+    log.info("security", extra={"api_keys": api_keys.num_keys, "tls": config.tls.enabled,
+                                "mtls": config.tls.require_client_cert})
     frontend, clients = build_frontend(config)
     build_info.register(frontend.pipeline.metrics.registry, "frontend")
-    grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s),
+    grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s,
+                                             config.max_message_bytes, config.tls),
                                ["tandem.v1.Inference"])
     inference_pb2_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(frontend, grpc_service.draining), grpc_service.server)
+        InferenceServicer(frontend, grpc_service.draining, api_keys), grpc_service.server)
 
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=config.max_request_bytes,
+                          middlewares=[json_errors, api_key_auth(api_keys)])
     OpenAIRoutes(frontend, grpc_service.draining).add_to(app)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=config.grace_period_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port)
+    site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context)
     await site.start()
 
     # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
     # period, while the gRPC API drains too.
     grpc_service.on_drain(runner.cleanup)
     grpc_service.on_close(clients.close)
-    log.info("http listening", extra={"url": f"http://{config.host}:{config.http_port}"})
+    scheme = "https" if ssl_context is not None else "http"
+    log.info("http listening", extra={"url": f"{scheme}://{config.host}:{config.http_port}"})
     await grpc_service.run()
 
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.routing.prefix_index import PrefixIndex
 from tandem.routing.workers import WorkerState
 from tandem.runtime import convert
+from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
 
@@ -34,13 +35,14 @@ class SequenceGap(Exception):
 
 class WorkerWatcher:
     def __init__(self, state: WorkerState, index: PrefixIndex,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None,
+                 tls: TlsConfig | None = None) -> None:
         self.state = state
         self.index = index
         self.on_change = on_change
         # Keepalive pings detect a peer that vanished without closing the connection (a lost
         # node): both streams are otherwise silent while nothing changes.
-        self.channel = grpc.aio.insecure_channel(state.ref.address, options=KEEPALIVE)
+        self.channel = aio_channel(state.ref.address, tls, KEEPALIVE)
         self.serving = False
         self.streaming = False
         self.epoch: int | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -24,6 +25,17 @@ from tandem.errors import Unimplemented
 EventSink = Callable[[Sequence[KvEvent]], object]
 #: Told of every KV read as it ends, inside the reading request's context (contextvars).
 TransferObserver = Callable[[TransferRecord], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a health watchdog needs to tell a stuck engine from an idle one."""
+
+    #: Requests the step loop should be advancing now (waiting or running, not blocked on a
+    #: peer such as a KV read in flight).
+    has_work: bool
+    #: Steps started since the engine started; it grows while the engine makes progress.
+    num_steps: int
 
 
 class Engine(ABC):
@@ -130,6 +142,33 @@ class Engine(ABC):
         """(direction, request id) -> checksum of KV blocks leased or received, oldest first;
         empty unless the engine records them (--debug-kv-checksums)."""
         return {}
+
+    def progress(self) -> Progress | None:
+        """The step loop's progress, or None when this backend cannot tell (its health then
+        rests on `health_canary`)."""
+        return None
+
+    async def health_canary(self, timeout_s: float) -> None:
+        """Runs one tiny request whole to prove the engine makes progress.
+
+        Raises:
+            Unavailable: the engine failed it or produced no token within `timeout_s`.
+            Unimplemented: the backend has no canary (its `progress` is enough).
+        """
+        raise Unimplemented(f"engine '{self.name}' has no health canary")
+
+    def pause_steps(self) -> None:
+        """Test hook (--debug-hooks): the step loop stops before its next step, as a stuck
+        engine would, until `resume_steps`.
+
+        Raises:
+            Unimplemented: the backend has no step loop of its own.
+        """
+        raise Unimplemented(f"engine '{self.name}' cannot pause its step loop")
+
+    def resume_steps(self) -> None:
+        """Test hook: undoes `pause_steps`."""
+        raise Unimplemented(f"engine '{self.name}' cannot pause its step loop")
 
     @abstractmethod
     async def close(self) -> None:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from tandem.engines.types import Embedding
 from tandem.errors import InvalidRequest, ModelNotFound
+from tandem.frontend.admission import Admission
 from tandem.frontend.openai_request import ParsedRequest
-from tandem.frontend.pipeline import GenerationRequest, Pipeline
+from tandem.frontend.pipeline import Delta, GenerationRequest, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.multimodal.fetch import MediaFetcher
 from tandem.multimodal.placeholders import ImagePlaceholders
@@ -40,7 +43,8 @@ class ImageSupport:
 class Frontend:
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline,
                  request_timeout_s: float | None = None,
-                 images: ImageSupport | None = None) -> None:
+                 images: ImageSupport | None = None, max_messages: int = 1000,
+                 admission: Admission | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -48,6 +52,10 @@ class Frontend:
         self.request_timeout_s = request_timeout_s
         #: None: a text-only model, requests with images are refused.
         self.images = images
+        #: Bounds the requests sent on to workers and waiting to be (429 past it).
+        self.admission = admission or Admission()
+        #: Most messages in one chat request: bounds the template and tokenizer work.
+        self.max_messages = max_messages
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -92,12 +100,16 @@ class Frontend:
 
         Raises:
             ModelNotFound: the request names another model.
-            InvalidRequest: the prompt does not fit the context, the template fails, or an
-                image cannot be fetched or decoded (or the model takes none).
+            InvalidRequest: too many messages, the prompt does not fit the context, the
+                template fails, or an image cannot be fetched or decoded (or the model takes
+                none).
         """
         if parsed.model != self.model.name:
             raise ModelNotFound(f"model '{parsed.model}' does not exist; this deployment serves "
                                 f"'{self.model.name}'", param="model")
+        if len(parsed.messages) > self.max_messages:
+            raise InvalidRequest(f"'messages' may hold at most {self.max_messages} messages, got "
+                                 f"{len(parsed.messages)}", param="messages")
         support = self.images
         if parsed.images and support is None:
             raise InvalidRequest(f"model '{self.model.name}' does not accept images",
@@ -133,3 +145,13 @@ class Frontend:
             embeddings=items,
             block_hashes=block_hashes,
         )
+
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        """The pipeline's answer to a prepared request, inside an admission slot: the first
+        iteration raises Overloaded (429) when the frontend is at capacity, or DeadlineExceeded
+        when the request's deadline passes while it waits for a slot. Closing the iterator early
+        cancels the request downstream and frees its slot."""
+        async with self.admission.slot(req.deadline):
+            async with aclosing(self.pipeline.generate(req)) as deltas:
+                async for delta in deltas:
+                    yield delta

@@ -1,7 +1,8 @@
 """The frontend's data path for one request: route -> encode the images on an encode worker when
 the router names one -> prefill on a prefill worker when the router disaggregates -> stream
 tokens from a decode worker (which reads the prefill worker's KV) -> detokenize (stop strings
-included) -> deltas for the client -> release the router's load.
+included) -> deltas for the client -> release the router's load. A decode stream that breaks
+midway migrates to another decode worker (see Pipeline._decode).
 
 Backend- and transport-blind: the router and worker clients are injected (tandem.runtime.clients
 in production), so this module has no grpc import.
@@ -61,6 +62,19 @@ class GenerationRequest:
         """What a prefill or decode worker gets (a decode worker resuming: with the handle)."""
         return EngineRequest(self.request_id, tuple(self.prompt_token_ids), self.sampling,
                              kv_handle, first_token, self.embeddings)
+
+    def continued(self, token_ids: Sequence[int]) -> GenerationRequest:
+        """The request as another decode worker resumes it after `token_ids` were generated
+        (migration): those tokens appended to the prompt, `max_tokens` and `min_tokens` reduced
+        by them. Prompt logprobs, if asked, belonged to the original prompt and are not asked
+        again. The embeddings stay at their placeholders, which the appended tokens do not move.
+        """
+        num = len(token_ids)
+        sampling = dataclasses.replace(self.sampling, max_tokens=self.sampling.max_tokens - num,
+                                       min_tokens=max(self.sampling.min_tokens - num, 0),
+                                       prompt_logprobs=None)
+        return dataclasses.replace(self, prompt_token_ids=[*self.prompt_token_ids, *token_ids],
+                                   sampling=sampling)
 
     def remaining_s(self) -> float | None:
         """Seconds left before the deadline. Raises DeadlineExceeded once it has passed."""
@@ -123,16 +137,46 @@ MAX_FALLBACKS = 3
 DetokenizerFactory = Callable[[GenerationRequest], IncrementalDetokenizer]
 
 
+@dataclass(slots=True)
+class _Progress:
+    """One request's output so far; it carries over from one decode worker to the next, so the
+    client sees one stream however many workers produced it."""
+
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    #: perf_counter() of the request's start (TTFT) and of its last chunk (inter-token latency).
+    start: float
+    last_chunk_at: float
+    #: Every output token received so far, from every worker.
+    token_ids: list[int] = field(default_factory=list)
+    #: The client's prompt tokens served from a prefix cache (first worker, or prefill worker).
+    cached_tokens: int = 0
+    num_migrations: int = 0
+    #: Whether the current worker has sent anything (before that, a failure is a refusal).
+    worker_streamed: bool = False
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, len(self.token_ids), self.cached_tokens)
+
+
+def _is_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Pipeline:
     def __init__(self, router: RouterPort, decode: DecodePort,
                  new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics,
-                 prefill: PrefillPort | None = None, encode: EncodePort | None = None) -> None:
+                 prefill: PrefillPort | None = None, encode: EncodePort | None = None,
+                 migration_limit: int = 0) -> None:
         self.router = router
         self.decode = decode
         self.prefill = prefill
         self.encode = encode
         self.new_detokenizer = new_detokenizer
         self.metrics = metrics
+        #: Times a request may move to another decode worker after its stream broke; 0: never.
+        self.migration_limit = migration_limit
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
@@ -237,80 +281,113 @@ class Pipeline:
     async def _decode(self, req: GenerationRequest, decision: RouteDecision,
                       prefilled: PrefillResult | None,
                       start: float) -> AsyncGenerator[Delta, None]:
-        """Streams from the router's pick. A worker that refuses before anything streamed
-        (unavailable, overloaded) is excluded and the router asked again, so that the request's
-        load moves to the worker that really serves it."""
-        refused: list[str] = []
+        """Streams from the router's pick, moving to another decode worker when this one fails.
+
+        A worker that refuses before it sent anything (unavailable, overloaded) is excluded and
+        the router asked again, so that the request's load moves to the worker that really
+        serves it (at most MAX_FALLBACKS times). A worker whose stream breaks (it died:
+        Unavailable; the stream failed or ended unfinished: UpstreamError) is excluded too and
+        the request migrates (at most `migration_limit` times): the router's next pick gets it
+        with the tokens so far appended to the prompt (GenerationRequest.continued) and
+        aggregated, since the KV handle was the first worker's to consume. The detokenizer and
+        the counts carry over. Only the consumer closing this generator (the client left) or
+        cancelling its task ends it early, and then nothing is re-issued.
+        """
+        progress = _Progress(self.new_detokenizer(req), len(req.prompt_token_ids), start, start)
+        attempt, num_refusals = req, 0
+        excluded: list[str] = []
         while True:
             if not decision.decode_workers:
                 raise Unavailable("router returned no decode worker")
             worker = decision.decode_workers[0]
-            started = False
+            progress.worker_streamed = False
             try:
-                async with aclosing(self._from_worker(req, worker, prefilled, start)) as deltas:
+                async with aclosing(self._from_worker(attempt, worker, prefilled,
+                                                      progress)) as deltas:
                     async for delta in deltas:
-                        started = True
                         yield delta
                 return
-            except (Unavailable, Overloaded) as exc:
-                if started or len(refused) >= MAX_FALLBACKS:
+            except (Unavailable, Overloaded, UpstreamError) as exc:
+                failure = exc
+                if _is_cancelling():
+                    raise  # the client left as the stream broke: never re-issue for it
+                if not progress.worker_streamed and not isinstance(exc, UpstreamError):
+                    if num_refusals >= MAX_FALLBACKS:
+                        raise
+                    num_refusals += 1
+                    log.warning("decode worker refused the request, asking the router again",
+                                extra={"worker": worker.worker_id, "error": exc.message})
+                elif (isinstance(exc, Overloaded)
+                      or progress.num_migrations >= self.migration_limit):
                     raise
-                refused.append(worker.worker_id)
-                refusal = exc
-                log.warning("decode worker refused the request, asking the router again",
-                            extra={"worker": worker.worker_id, "error": exc.message})
+                else:
+                    progress.num_migrations += 1
+                    if prefilled is not None and prefilled.kv_handle is not None:
+                        if not progress.worker_streamed and self.prefill is not None:
+                            # It may never have read the KV; a consumed lease ignores this.
+                            self.prefill.release(prefilled.kv_handle)
+                        prefilled = None
+                    attempt = req.continued(progress.token_ids)
+                    log.warning("decode stream broke; migrating the request", extra={
+                        "request_id": req.request_id, "worker": worker.worker_id,
+                        "error": exc.message, "generated_tokens": len(progress.token_ids),
+                        "migration": progress.num_migrations})
+            excluded.append(worker.worker_id)
+            if attempt.sampling.max_tokens <= 0:
+                # Every token came before the stream broke; only the finish was missing.
+                yield Delta(progress.detokenizer.finish(), [], [], FinishReason.LENGTH,
+                            progress.usage(), worker)
+                return
             try:
-                decision = await self._route(req, tuple(refused))
+                decision = await self._route(attempt, tuple(excluded))
             except Unavailable:
-                # Nobody else can take it: the client hears the refusal itself (an overloaded
-                # deployment answers 429 with Retry-After, not 503).
-                raise refusal from None
+                # Nobody else can take it: the client hears the worker's failure itself (an
+                # overloaded deployment answers 429 with Retry-After, not 503).
+                raise failure from None
 
     async def _from_worker(self, req: GenerationRequest, worker: WorkerRef,
                            prefilled: PrefillResult | None,
-                           start: float) -> AsyncGenerator[Delta, None]:
-        detok = self.new_detokenizer(req)
+                           progress: _Progress) -> AsyncGenerator[Delta, None]:
+        detok = progress.detokenizer
         engine_req = req.engine_request()
         if prefilled is not None:
             # The embeddings go along: the decode worker hashes its blocks with them, and needs
             # them to recompute the prompt if the KV read fails.
             engine_req = req.engine_request(kv_handle=prefilled.kv_handle,
                                             first_token=prefilled.first_token)
-        last = start
-        emitted = 0
-        # Disaggregated, the prefill worker's cache hits are the request's.
-        cached = prefilled.cached_tokens if prefilled is not None else 0
+            # Disaggregated, the prefill worker's cache hits are the request's.
+            progress.cached_tokens = prefilled.cached_tokens
+        # After a migration the worker's cache hits cover generated tokens, not the client's.
+        own_cache = prefilled is None and progress.num_migrations == 0
         chunks = self.decode.generate(worker.address, engine_req, req.remaining_s())
         try:
             async for chunk in chunks:
+                progress.worker_streamed = True
                 now = time.perf_counter()
-                self.metrics.observe_chunk(now - start if emitted == 0 else None,
-                                           now - last, len(chunk.token_ids))
-                last = now
-                if chunk.cached_tokens is not None and prefilled is None:
-                    cached = chunk.cached_tokens
+                self.metrics.observe_chunk(None if progress.token_ids else now - progress.start,
+                                           now - progress.last_chunk_at, len(chunk.token_ids))
+                progress.last_chunk_at = now
+                if chunk.cached_tokens is not None and own_cache:
+                    progress.cached_tokens = chunk.cached_tokens
+                num_before = len(progress.token_ids)
                 text = detok.add(chunk.token_ids)
                 if detok.stopped:
                     # A stop string ended the answer: keep the tokens up to it, drop the rest.
-                    kept = chunk.token_ids[:max(detok.num_tokens - emitted, 0)]
-                    emitted += len(kept)
-                    usage = Usage(len(req.prompt_token_ids), emitted, cached)
-                    yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP, usage,
-                                worker)
+                    kept = chunk.token_ids[:max(detok.num_tokens - num_before, 0)]
+                    progress.token_ids.extend(kept)
+                    yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP,
+                                progress.usage(), worker)
                     return
-                emitted += len(chunk.token_ids)
+                progress.token_ids.extend(chunk.token_ids)
                 if chunk.finish_reason is None:
                     if text or chunk.token_ids:
                         yield Delta(text, chunk.token_ids, chunk.logprobs, worker=worker)
                     continue
-                if chunk.usage is None:
-                    raise UpstreamError(f"decode worker {worker.address} finished without usage")
-                usage = Usage(chunk.usage.prompt_tokens, emitted,
-                              cached if prefilled is not None else chunk.usage.cached_tokens)
+                if chunk.usage is not None and own_cache:
+                    progress.cached_tokens = chunk.usage.cached_tokens
                 yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
-                            chunk.finish_reason, usage, worker)
+                            chunk.finish_reason, progress.usage(), worker)
                 return
             raise UpstreamError(f"decode worker {worker.address} ended the stream unfinished")
         finally:
             await chunks.aclose()
-

@@ -13,6 +13,8 @@ from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
 from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
+from tandem.runtime.progress import WatchdogConfig
+from tandem.runtime.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,24 @@ class Deployment:
     grace_period_s: float = 30.0
     #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
     request_timeout_s: float = 0.0
+    #: Frontend: times a request whose decode stream broke moves to another decode worker.
+    migration_limit: int = 2
+    #: Frontend admission control: requests sent on to workers at once, and requests waiting
+    #: for one of those slots; past both, 429 with Retry-After. 0: no limit.
+    frontend_max_inflight_requests: int = 4096
+    frontend_max_queued_requests: int = 4096
+    #: Workers: health that proves progress (--progress-timeout-s, --canary-interval-s, ...).
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    #: Workers: fault-test hooks (SIGUSR1 pauses the engine's step loop, SIGUSR2 resumes it).
+    debug_hooks: bool = False
+    #: Frontend: API keys (--api-keys; $TANDEM_API_KEYS reaches it through the environment).
+    api_keys: list[str] = field(default_factory=list, metadata={"secret": True})
+    #: Frontend: file of API keys, one per line.
+    api_keys_file: str = ""
     log_level: str = "info"
+    #: TLS/mTLS of every service (--tls-cert-file, --tls-key-file, --tls-ca-file,
+    #: --tls-require-client-cert, --tls-server-name), passed to each one.
+    tls: TlsConfig = field(default_factory=TlsConfig)
     #: Engine flags, forwarded to every worker (--model, --speedup-ratio, --kv-block-size ...).
     engine_args: EngineArgs = field(default_factory=EngineArgs)
 
@@ -129,9 +148,11 @@ def router_config(d: Deployment) -> dict[str, object]:
 def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     """The processes in start order (workers, router, frontend); stop in reverse. The router's
     config file is written into `workdir`."""
-    common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level]
+    common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level,
+              *config_lib.to_argv(d.tls)]
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
+    worker_flags = [*config_lib.to_argv(d.watchdog), *(["--debug-hooks"] if d.debug_hooks else [])]
     if d.engine == "mock" and any(pool.kind == "encode" for pool in pools(d)):
         raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
                              "not have: use --engine reference with a vision model",
@@ -139,7 +160,7 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     disaggregated = any(pool.kind == "prefill" for pool in pools(d))
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
         *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
-        "--engine", d.engine, *model, *common, *engine_flags, *pool.worker_flags))
+        "--engine", d.engine, *model, *common, *engine_flags, *worker_flags, *pool.worker_flags))
         for pool in pools(d) for i, port in enumerate(pool.ports)]
     if d.worker_metrics_ports:
         if len(d.worker_metrics_ports) != len(workers):
@@ -157,8 +178,15 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]
     if d.request_timeout_s:
         frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
+    frontend_flags += ["--max-inflight-requests", str(d.frontend_max_inflight_requests),
+                       "--max-queued-requests", str(d.frontend_max_queued_requests)]
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
+    frontend_flags += ["--migration-limit", str(d.migration_limit)]
+    if d.api_keys:
+        frontend_flags += ["--api-keys", *d.api_keys]
+    if d.api_keys_file:
+        frontend_flags += ["--api-keys-file", str(pathlib.Path(d.api_keys_file).resolve())]
     # The frontend hashes prompts with images into the workers' blocks.
     frontend_flags += ["--kv-block-size", str(d.engine_args.kv_block_size),
                        *config_lib.to_argv(d.media)]

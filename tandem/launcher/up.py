@@ -20,6 +20,7 @@ from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs
 from tandem.runtime.health_probe import wait_serving
+from tandem.runtime.tls import TlsConfig
 
 log = logging.getLogger("tandem.up")
 _PR_SET_PDEATHSIG = 1
@@ -31,15 +32,17 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-async def _wait_serving(address: str, child: subprocess.Popen[bytes]) -> None:
+async def _wait_serving(address: str, child: subprocess.Popen[bytes], tls: TlsConfig) -> None:
     """Returns when the service at `address` reports SERVING; raises if its process exits."""
-    if not await wait_serving(address, lambda: child.poll() is None):
+    if not await wait_serving(address, lambda: child.poll() is None, tls=tls):
         raise RuntimeError(f"{address} exited with code {child.returncode} before it was ready")
 
 
 class Topology:
-    def __init__(self, specs: list[ServiceProcess]) -> None:
+    def __init__(self, specs: list[ServiceProcess], tls: TlsConfig) -> None:
         self.specs = specs
+        #: The services' TLS config: the launcher's health probes speak it too.
+        self.tls = tls
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
@@ -53,7 +56,7 @@ class Topology:
             log.info("started", extra={"service": spec.name, "pid": self.children[spec.name].pid})
 
     async def wait_ready(self) -> None:
-        await asyncio.gather(*(_wait_serving(s.health_address, self.children[s.name])
+        await asyncio.gather(*(_wait_serving(s.health_address, self.children[s.name], self.tls)
                                for s in self.specs))
 
     async def stop(self, grace_s: float) -> None:
@@ -72,7 +75,7 @@ class Topology:
 
 
 def _banner(d: Deployment, model_dir: str, name: str) -> str:
-    url = f"http://{d.host}:{d.http_port}"
+    url = f"{'https' if d.tls.enabled else 'http'}://{d.host}:{d.http_port}"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 32, "stream": True})
     return (f"READY http={url} grpc={d.host}:{d.grpc_port} model={name} "
@@ -88,7 +91,7 @@ async def run(d: Deployment) -> int:
     d = with_model(d, model_dir)
     name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    topology = Topology(processes(d, workdir))
+    topology = Topology(processes(d, workdir), d.tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

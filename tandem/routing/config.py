@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.runtime.tls import TlsConfig
+
 POOL_KINDS = ("decode", "prefill", "agg", "encode")
 
 
@@ -52,7 +54,11 @@ class RouterConfig:
     #: Port of the Prometheus /metrics endpoint; 0: none.
     metrics_port: int = 0
     grace_period_s: float = 30.0
+    #: Largest gRPC message the router's port accepts or sends, bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
+    #: TLS/mTLS on the router's port and on its channels to workers (--tls-*).
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def resolved_pools(self) -> list[PoolConfig]:
         if self.pools:

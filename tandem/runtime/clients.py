@@ -14,6 +14,7 @@ from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResu
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status, tracing
 from tandem.runtime.interceptor import REQUEST_ID_KEY
+from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -52,14 +53,14 @@ class RouterClient:
     """
 
     def __init__(self, address: str, flush_ms: float = 20.0, timeout_s: float = 10.0,
-                 max_local_prefill_length: int = 0) -> None:
+                 max_local_prefill_length: int = 0, tls: TlsConfig | None = None) -> None:
         self.address = address
         #: Conditional disaggregation threshold sent with every Route (RouteRequest field).
         self.max_local_prefill_length = max_local_prefill_length
         #: Longest wait for a Route answer when the request itself has no nearer deadline.
         self.timeout_s = timeout_s
         self.flush_s = flush_ms / 1000
-        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._channel = aio_channel(address, tls, _OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._pending: list[router_pb2.Completion] = []
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -145,16 +146,16 @@ class RouterClient:
 
 
 class _Channels:
-    """One channel per worker address, opened on first use."""
+    """One channel per worker address, opened on first use (TLS when `tls` is enabled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address,
-                                                                          options=_OPTIONS)
+            channel = self._channels[address] = aio_channel(address, self._tls, _OPTIONS)
         return channel
 
     async def close(self) -> None:
@@ -168,8 +169,8 @@ class PrefillClients(_Channels):
     #: Longest wait for a Release answer; a dead prefill worker's leases expire on their own.
     RELEASE_TIMEOUT_S = 5.0
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        super().__init__(tls)
         self._releases: set[asyncio.Task[None]] = set()
 
     async def prefill(self, address: str, request: EngineRequest,
@@ -252,8 +253,8 @@ class DecodeClients(_Channels):
 class EncodeClients(_Channels):
     """Encode calls to encode workers (frontend)."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__()
+    def __init__(self, model: str, tls: TlsConfig | None = None) -> None:
+        super().__init__(tls)
         #: Served model name, sent with every request.
         self.model = model
 

@@ -4,6 +4,7 @@ Every service describes its config as a frozen dataclass (nested dataclasses all
 derived from field names (`max_batch_size` -> `--max-batch-size`) unless a field's metadata names
 another (`field(metadata={"flag": "--num-gpu-blocks-override"})`); help comes from `help`
 metadata. Unknown YAML keys are rejected with the key named, so a typo never passes silently.
+Fields with `secret` metadata (API keys) are redacted in `as_dict`, the start-up log line.
 """
 from __future__ import annotations
 
@@ -166,8 +167,18 @@ def load_known(cls: type[T], argv: Sequence[str] | None, prog: str, description:
 
 
 def as_dict(config: Any) -> dict[str, Any]:
-    """The whole config as plain data, for the start-up log line."""
-    return dataclasses.asdict(config)
+    """The whole config as plain data, for the start-up log line (secrets redacted)."""
+    values = dataclasses.asdict(config)
+    _redact(type(config), values)
+    return values
+
+
+def _redact(cls: type, values: dict[str, Any]) -> None:
+    for f, tp in _fields(cls):
+        if f.metadata.get("secret") and values.get(f.name):
+            values[f.name] = "<redacted>"
+        elif _is_config_class(tp):
+            _redact(tp, values[f.name])
 
 
 def to_argv(config: Any) -> list[str]:

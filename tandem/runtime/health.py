@@ -24,7 +24,11 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._closed = False
 
     async def set(self, service: str, status: ServingStatus) -> None:
+        """Publishes a status; a no-op after `close` (a closing server never serves again,
+        whatever a late reporter such as the progress watchdog says)."""
         async with self._changed:
+            if self._closed:
+                return
             self._status[service] = status
             self._changed.notify_all()
 

@@ -7,14 +7,17 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.runtime.tls import TlsConfig, aio_channel
 
-async def wait_serving(address: str, is_alive: Callable[[], bool], attempt_s: float = 2.0) -> bool:
+
+async def wait_serving(address: str, is_alive: Callable[[], bool], attempt_s: float = 2.0,
+                       tls: TlsConfig | None = None) -> bool:
     """Returns True once `address` reports SERVING, False if `is_alive()` turns false first.
 
     Health Watch streams status changes; wait_for_ready holds each attempt until the port
     opens, and `attempt_s` bounds an attempt so a dead process is noticed.
     """
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while is_alive():
             try:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
+from tandem.runtime.tls import TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
 CloseHook = Callable[[], Awaitable[None]]
@@ -37,6 +38,8 @@ class ServerOptions:
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_s: float = 30.0
     max_message_bytes: int = 64 * 1024 * 1024
+    #: TLS (mTLS with require_client_cert) on the port when enabled; plaintext otherwise.
+    tls: TlsConfig | None = None
 
 
 class Draining:
@@ -95,7 +98,11 @@ class GrpcService:
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        bind = f"{options.host}:{options.port}"
+        if options.tls is not None and options.tls.enabled:
+            self.port = self.server.add_secure_port(bind, server_credentials(options.tls))
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {options.host}:{options.port}")
         self._close_hooks: list[CloseHook] = []

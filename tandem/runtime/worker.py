@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
 from collections.abc import Callable
 
 from prometheus_client import start_http_server
@@ -19,6 +20,7 @@ from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, tracing
 from tandem.runtime.clients import PrefillClients
+from tandem.runtime.progress import ProgressWatchdog
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.runtime.worker_metrics import WorkerMetrics
@@ -48,6 +50,14 @@ def _transfer_observer(metrics: WorkerMetrics | None) -> Callable[[TransferRecor
                        {"tandem.kv.source_worker": record.source_worker_id,
                         "tandem.kv.bytes": record.num_bytes}, record.error)
     return observe
+
+
+def _install_debug_hooks(engine: Engine) -> None:
+    """--debug-hooks: signals that make the engine stuck and unstuck, for fault tests."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, engine.pause_steps)
+    loop.add_signal_handler(signal.SIGUSR2, engine.resume_steps)
+    log.warning("debug hooks on: SIGUSR1 pauses the engine's step loop, SIGUSR2 resumes it")
 
 
 async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddServicers,
@@ -84,14 +94,21 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
     if metrics is not None or tracing.is_enabled():
         engine.set_transfer_observer(_transfer_observer(metrics))
     # Decode side of disaggregation: leases on prefill workers are released once read.
-    prefill_clients = PrefillClients()
+    prefill_clients = PrefillClients(config.tls)
     engine.set_lease_releaser(prefill_clients.release)
     names = [*service_names, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
     if config.publish_kv_events:
         names.append(kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"].full_name)
-    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s), names)
+    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s,
+                                        config.max_message_bytes, config.tls), names)
     worker = Worker(config, engine, event_log, service)
     add_servicers(worker)
+    watchdog = ProgressWatchdog(engine, config.watchdog, service.set_serving,
+                                lambda: not service.draining.active)
+    watchdog.start()
+    if config.debug_hooks:
+        _install_debug_hooks(engine)
+    service.on_close(watchdog.close)  # before the engine: a closed engine is not a stuck one
     service.on_close(engine.close)
     service.on_close(prefill_clients.close)
     await service.run()

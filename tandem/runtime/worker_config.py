@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.runtime.progress import WatchdogConfig
+from tandem.runtime.tls import TlsConfig
 
 DISAGGREGATION_MODES = ("agg", "prefill", "decode", "encode")
 
@@ -34,7 +36,16 @@ class WorkerConfig:
     kv_lease_ms: int = 30_000
     #: Port of the Prometheus /metrics endpoint; 0: none.
     metrics_port: int = 0
+    #: Health that proves progress (--progress-timeout-s, --canary-interval-s,
+    #: --canary-timeout-s): NOT_SERVING while the engine is stuck.
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    #: Test hooks: SIGUSR1 pauses the engine's step loop (a stuck engine), SIGUSR2 resumes it.
+    debug_hooks: bool = False
+    #: Largest gRPC message the worker's port accepts or sends, bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
+    #: TLS/mTLS on the worker's port and on its channels to prefill workers (--tls-*).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     engine_args: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:

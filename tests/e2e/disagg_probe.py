@@ -65,11 +65,12 @@ def generate(address: str, request_id: str, token_ids: list[int], max_tokens: in
     return tokens, last
 
 
-def child_pid(launcher_pid: int, port: int) -> int:
-    """The pid of the `tandem up` child listening on `port` (from its command line)."""
+def child_pid(launcher_pid: int, port: int, flag: bytes = b"--port") -> int:
+    """The pid of the `tandem up` child listening on `port` (from its command line; the
+    frontend's is `--http-port`)."""
     children = pathlib.Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text()
     for pid in map(int, children.split()):
         argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+        if flag in argv and argv[argv.index(flag) + 1] == str(port).encode():
             return pid
     raise LookupError(f"no child of {launcher_pid} serves port {port}")

@@ -1,11 +1,15 @@
-"""A full worker queue reaches the client as 429 with Retry-After, not as a hang."""
+"""Overload reaches the client as 429 with Retry-After, not as a hang: a full worker queue, and
+a burst beyond the frontend's own admission limits."""
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
+from tests.e2e.disagg_probe import child_pid, stats, wait_idle
 from tests.e2e.topology import start_topology
 from tests.e2e.worker_probe import LoadWatcher
 
@@ -43,4 +47,54 @@ def test_full_queue_answers_429_with_retry_after() -> None:
         assert all(r[2]["usage"]["completion_tokens"] == 400 for r in results)
     finally:
         watcher.close()
+        assert topo.stop() == 0
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(f"no VmRSS for pid {pid}")
+
+
+def test_burst_beyond_frontend_capacity_gets_429_and_frees_everything() -> None:
+    """Frontend admission control: 4 requests in flight and 4 queued at most; a burst of 48
+    gets clear 429s for the rest, the accepted ones complete, and the pool ends as it began."""
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "1",
+                          "--frontend-max-inflight-requests", "4",
+                          "--frontend-max-queued-requests", "4")
+    worker = topo.decode_addresses[0]
+    http_port = int(topo.http_url.rsplit(":", 1)[1])
+    try:
+        start_blocks = stats(worker)
+        frontend_pid = child_pid(topo.process.pid, http_port, flag=b"--http-port")
+        rss_before = _rss_bytes(frontend_pid)
+        body = json.dumps({"model": topo.model, "max_tokens": 40, "ignore_eos": True,
+                           "prompt": "burst " * 50}).encode()
+
+        def post(_: int) -> tuple[int, dict, dict]:
+            request = urllib.request.Request(topo.http_url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    return reply.status, dict(reply.headers), json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, dict(exc.headers), json.loads(exc.read())
+
+        with ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(post, range(48)))
+        statuses = sorted(r[0] for r in results)
+        assert set(statuses) == {200, 429}, statuses
+        refused = [r for r in results if r[0] == 429]
+        accepted = [r for r in results if r[0] == 200]
+        assert len(refused) >= 24 and len(accepted) >= 8, statuses
+        assert all(h.get("Retry-After") == "1" and b["error"]["type"] == "rate_limit_error"
+                   for _, h, b in refused)
+        assert all(b["usage"]["completion_tokens"] == 40 for _, _, b in accepted)
+        wait_idle(worker)
+        end_blocks = stats(worker)
+        assert end_blocks.kv_blocks_used == start_blocks.kv_blocks_used == 0
+        assert end_blocks.num_running == end_blocks.num_waiting == 0
+        assert _rss_bytes(frontend_pid) - rss_before < 100 * 1024 * 1024
+    finally:
         assert topo.stop() == 0

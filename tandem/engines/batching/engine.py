@@ -12,7 +12,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine, TransferObserver
+from tandem.engines.base import Engine, Progress, TransferObserver
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.transfers import KvLoads
@@ -81,6 +81,12 @@ class BatchingEngine(Engine):
         self._closed = False
         self._failure: BaseException | None = None
         self.num_steps = 0
+        #: Cleared by the pause_steps test hook: the loop then waits before its next step.
+        self._steps_allowed = asyncio.Event()
+        self._steps_allowed.set()
+        #: True while the loop waits for blocks held outside the batch (leases, KV reads):
+        #: no step is due then, so no progress is owed.
+        self._is_blocked_on_peers = False
         #: Prefill side: blocks of prefilled prompts, pinned for their decode workers.
         self.leases = LeaseTable(self.pool.free)
         self.leases.on_freed = self._wakeup.set
@@ -301,6 +307,7 @@ class BatchingEngine(Engine):
             # cancelled: it would go on writing the KV cache after close returned); the loop
             # sees _closed and ends.
             self._wakeup.set()
+            self._steps_allowed.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.loads.close()
@@ -318,6 +325,9 @@ class BatchingEngine(Engine):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                await self._steps_allowed.wait()
+                if self._closed:
+                    break
                 await self._step()
         except asyncio.CancelledError:
             raise
@@ -339,7 +349,11 @@ class BatchingEngine(Engine):
                 # Blocks held outside the batch come back by a release, an expiry or the end
                 # of a read; each wakes the loop.
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                self._is_blocked_on_peers = True
+                try:
+                    await self._wakeup.wait()
+                finally:
+                    self._is_blocked_on_peers = False
                 return
             # Admission validates that any request fits an empty pool, so this is a bug; fail
             # loudly rather than spin.
@@ -378,6 +392,21 @@ class BatchingEngine(Engine):
             self._lease(req)
             return True
         return False
+
+    # ---- health -----------------------------------------------------------------------------
+
+    def progress(self) -> Progress:
+        has_work = (self.scheduler.has_work and not self._is_blocked_on_peers
+                    and not self._closed and self._failure is None)
+        return Progress(has_work, self.num_steps)
+
+    def pause_steps(self) -> None:
+        log.warning("%s engine step loop paused (debug hook)", self.name)
+        self._steps_allowed.clear()
+
+    def resume_steps(self) -> None:
+        log.warning("%s engine step loop resumed (debug hook)", self.name)
+        self._steps_allowed.set()
 
     # ---- observability ----------------------------------------------------------------------
 

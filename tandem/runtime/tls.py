@@ -1,0 +1,107 @@
+"""TLS and mutual TLS for every Tandem port, from one config block that all services share.
+
+With `cert_file` set, a service serves TLS on its gRPC port (and the frontend on its HTTP port),
+and every gRPC channel it opens to a peer (router, workers) is TLS too, verifying the peer
+against `ca_file` (the system's roots when empty). With `require_client_cert` (mTLS), gRPC
+servers refuse a client without a certificate signed by `ca_file`; a service presents its own
+certificate as its client certificate. The HTTP port never asks for client certificates: API
+keys authenticate its clients.
+
+grpc is imported where credentials are built, so that config modules without gRPC (the router's)
+can hold a TlsConfig.
+"""
+from __future__ import annotations
+
+import pathlib
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tandem.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import grpc
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_file: str = field(default="", metadata={
+        "flag": "--tls-cert-file",
+        "help": "PEM certificate chain this service presents; turns TLS on for its ports and "
+                "for the gRPC channels it opens"})
+    key_file: str = field(default="", metadata={
+        "flag": "--tls-key-file", "help": "PEM private key of --tls-cert-file"})
+    ca_file: str = field(default="", metadata={
+        "flag": "--tls-ca-file",
+        "help": "PEM CA bundle that peers' certificates are verified against (default: the "
+                "system's roots)"})
+    require_client_cert: bool = field(default=False, metadata={
+        "flag": "--tls-require-client-cert",
+        "help": "mTLS: gRPC ports refuse clients without a certificate signed by --tls-ca-file"})
+    server_name: str = field(default="", metadata={
+        "flag": "--tls-server-name",
+        "help": "name to verify in peers' certificates instead of the host of their address "
+                "(one certificate shared by every pod)"})
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InvalidRequest("--tls-cert-file and --tls-key-file go together",
+                                 param="tls.cert_file")
+        if self.require_client_cert and not (self.cert_file and self.ca_file):
+            raise InvalidRequest("--tls-require-client-cert needs --tls-cert-file, "
+                                 "--tls-key-file and --tls-ca-file", param="tls.ca_file")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
+def _read(path: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read TLS file {path}: {exc.strerror}") from None
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """Credentials of a gRPC server port; with require_client_cert, client certificates are
+    required and verified against ca_file."""
+    import grpc
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key_file), _read(tls.cert_file))],
+        root_certificates=_read(tls.ca_file) if tls.require_client_cert else None,
+        require_client_auth=tls.require_client_cert)
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """Credentials of a channel to a peer: verify it against ca_file, present our certificate."""
+    import grpc
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+        private_key=_read(tls.key_file) if tls.cert_file else None,
+        certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
+
+
+def aio_channel(address: str, tls: TlsConfig | None,
+                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A channel to `address`: TLS when `tls` is enabled, plaintext otherwise."""
+    import grpc
+    if tls is None or not tls.enabled:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    opts = list(options)
+    if tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=opts)
+
+
+def http_ssl_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """The HTTP listener's context (server side, no client certificates); None: plaintext."""
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"cannot load TLS certificate {tls.cert_file}: {exc}") from None
+    return context
