@@ -106,7 +106,7 @@ class OpenAIRoutes:
             except (ValueError, UnicodeDecodeError) as exc:
                 raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
             parsed = parse_request(body, kind, request.headers)
-            gen = await self.frontend.prepare(parsed)
+            gen = await self.frontend.prepare(parsed, parsed.timeout_s)
         except web.HTTPException:
             raise  # e.g. 413 from request.read(): json_errors gives it the OpenAI shape
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error

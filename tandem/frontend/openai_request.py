@@ -79,6 +79,9 @@ class ParsedRequest:
     #: Latency targets for the router, milliseconds.
     ttft_target_ms: float | None = None
     itl_target_ms: float | None = None
+    #: The client's own deadline for the whole request, seconds (`timeout` in the body, else the
+    #: `x-request-timeout-ms` header); capped by the frontend's --request-timeout-s.
+    timeout_s: float | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """Engine sampling parameters, with `max_tokens` already decided by the frontend.
@@ -211,6 +214,10 @@ def parse_request(
         itl_target_ms=_first(
             _float(router, "itl_target", "nvext.router.itl_target", lo=0.0, lo_open=True),
             _header_ms(headers, "x-slo-tpot-ms"),
+        ),
+        timeout_s=_first(
+            _float(body, "timeout", lo=0.0, lo_open=True),
+            _ms_to_s(_header_ms(headers, "x-request-timeout-ms")),
         ),
     )
 
@@ -350,6 +357,10 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     if top is not None and not wanted:
         raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     return (top or 0) if wanted else None
+
+
+def _ms_to_s(value: float | None) -> float | None:
+    return None if value is None else value / 1000
 
 
 def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
