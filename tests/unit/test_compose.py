@@ -7,37 +7,26 @@ project, as shipped in the project's shared/data/), so that CI's fresh clone nee
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent import futures
 from typing import Any
 from unittest import mock
 
-import grpc
 import jsonschema
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
 from services.frontend.main import FrontendConfig
 from services.router.main import build_router
-from tandem import cli
-from tandem.frontend.metrics import FrontendMetrics
 from tandem.launcher import up
 from tandem.launcher.deployment import Deployment, processes
 from tandem.routing.config import RouterConfig
-from tandem.routing.metrics import RouterMetrics
-from tandem.runtime import loop
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.runtime.worker_metrics import WorkerMetrics
 from tandem.v1 import inference_pb2, router_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,23 +49,6 @@ OBSERVABILITY = {"prometheus", "grafana", "jaeger"}
 
 
 # ---- helpers --------------------------------------------------------------------------------
-
-def parse_serve(argv: Sequence[str]) -> tuple[str, Any]:
-    """Runs `tandem serve STAGE FLAGS...` through the real CLI (tandem.cli.main) up to the point
-    where it would start serving, and returns the stage and the typed config it built. An
-    unknown flag or a bad value makes the CLI exit (SystemExit 2), failing the caller."""
-    assert list(argv[:2]) == ["tandem", "serve"], argv
-    built: list[Any] = []
-
-    def capture(main: Any) -> None:
-        built.append(main.cr_frame.f_locals["config"])
-        main.close()
-
-    with mock.patch.object(loop, "run", capture):
-        cli.main(list(argv[1:]))
-    assert len(built) == 1, f"`{' '.join(argv)}` did not reach the point of serving"
-    return argv[2], built[0]
-
 
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<braced>[A-Za-z_]\w*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
                        r"|\$(?P<bare>[A-Za-z_]\w*)")
@@ -460,100 +432,3 @@ def test_compose_agrees_with_tandem_up(tmp_path: pathlib.Path) -> None:
         p.kind for p in router.resolved_pools() if p.kind != "encode")
     assert up_stages["frontend"][0].router_address.rpartition(":")[2] == str(router.port)
     assert compose["frontend"][1].router_address.rpartition(":")[2] == str(router.port)
-
-
-# ---- observability --------------------------------------------------------------------------
-
-class _ZeroStats:
-    """Engine stats with every field 0, whatever fields EngineStats has."""
-
-    def __getattr__(self, name: str) -> int:
-        return 0
-
-
-def _metric_names() -> set[str]:
-    """Sample names the frontend, router and worker registries expose (counters as *_total,
-    histograms as *_bucket/_sum/_count), without observing anything."""
-    router = RouterMetrics()
-    router.watch_index(dict)
-    workers = WorkerMetrics("w", _ZeroStats, "decode").registry
-    names = set()
-    for registry in (FrontendMetrics("m").registry, router.registry, workers):
-        for family in registry.collect():
-            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
-            names |= {family.name + s for s in suffixes.get(family.type, [""])}
-    return names
-
-
-def test_dashboard_plots_metrics_that_exist() -> None:
-    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tandem.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"\btandem_[a-z_]+", e)}
-    known = _metric_names()
-    assert {"tandem_frontend_time_to_first_token_seconds_bucket",
-            "tandem_worker_kv_blocks_used", "tandem_kv_transfer_bytes_total"} <= known
-    assert used - known == set()
-    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("time to first token", "inter-token latency", "throughput", "kv cache usage",
-                  "routing decisions"):
-        assert topic in titles
-    assert len(used) >= 15
-
-
-def test_prometheus_scrapes_the_metrics_ports() -> None:
-    compose = load_compose()
-    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in prometheus["scrape_configs"]}
-    gpu = by_profile(compose, "gpu")
-    assert jobs["tandem-frontend"] == {"names": ["frontend"], "type": "A",
-                                       "port": gpu["frontend"][1].http_port}
-    router = gpu["router"][1]
-    assert router.metrics_port and jobs["tandem-router"]["port"] == router.metrics_port
-    assert jobs["tandem-router"]["names"] == ["router"]
-    assert set(jobs["tandem-workers"]["names"]) == WORKER_STAGES
-    worker_ports = {config.metrics_port for stage, config in parsed_services(compose).values()
-                    if stage in WORKER_STAGES}
-    assert worker_ports == {jobs["tandem-workers"]["port"]}
-
-
-# ---- the health check script ----------------------------------------------------------------
-
-@pytest.fixture
-def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
-    server.stop(None)
-
-
-def run_health_check(*args: str) -> int:
-    return subprocess.run([sys.executable, str(HEALTH_SCRIPT), *args], capture_output=True,
-                          timeout=30).returncode
-
-
-def test_health_check_script_exits_by_serving_status(
-        health_server: tuple[str, health.HealthServicer]) -> None:
-    address, servicer = health_server
-    servicer.set("tandem.v1.Decode", health_pb2.HealthCheckResponse.SERVING)
-    servicer.set("tandem.v1.Prefill", health_pb2.HealthCheckResponse.NOT_SERVING)
-    assert run_health_check(address, "--service", "tandem.v1.Decode") == 0
-    assert run_health_check(address, "--service", "tandem.v1.Prefill") == 1
-    assert run_health_check(address, "--service", "tandem.v1.Unknown") == 1
-    servicer.set("tandem.v1.Decode", health_pb2.HealthCheckResponse.NOT_SERVING)
-    assert run_health_check(address, "--service", "tandem.v1.Decode") == 1
-
-
-def test_health_check_script_fails_when_nothing_listens() -> None:
-    with socket_bound() as port:  # a port that is bound but never accepts gRPC
-        assert run_health_check(f"127.0.0.1:{port}", "--timeout-s", "0.5") == 1
-
-
-@contextlib.contextmanager
-def socket_bound() -> Iterator[int]:
-    """A port reserved for the duration of a `with` block and not listening."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield int(sock.getsockname()[1])

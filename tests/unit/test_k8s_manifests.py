@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import pathlib
 import re
-from collections.abc import Sequence
 from typing import Any
-from unittest import mock
 
 import pytest
 import yaml
+from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
 from services.frontend.main import FrontendConfig
 from services.router.main import build_router
-from tandem import cli
 from tandem.routing.config import RouterConfig
-from tandem.runtime import loop
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import inference_pb2, router_pb2
 
@@ -34,23 +31,6 @@ HEALTH_SERVICE = {
 }
 #: The value a `fieldRef` env var stands for while parsing (say, status.podIP).
 FIELD_REF_PLACEHOLDER = "10.1.2.3"
-
-
-def parse_serve(argv: Sequence[str]) -> tuple[str, Any]:
-    """Runs `tandem serve STAGE FLAGS...` through the real CLI (tandem.cli.main) up to the point
-    where it would start serving; returns the stage and the config it built. An unknown flag
-    makes the CLI exit (SystemExit 2)."""
-    assert list(argv[:2]) == ["tandem", "serve"], argv
-    built: list[Any] = []
-
-    def capture(main: Any) -> None:
-        built.append(main.cr_frame.f_locals["config"])
-        main.close()
-
-    with mock.patch.object(loop, "run", capture):
-        cli.main(list(argv[1:]))
-    assert len(built) == 1, f"`{' '.join(argv)}` did not reach the point of serving"
-    return argv[2], built[0]
 
 
 def namespace() -> str:
