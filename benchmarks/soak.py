@@ -22,7 +22,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ import grpc
 
 from benchmarks._procstats import descendants, label_processes
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.e2e.topology import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: What each kind of request may be answered with; anything else is an error.
@@ -222,16 +222,6 @@ def soak(http_url: str, model: str, launcher_pid: int, workers: Sequence[str],
     return SoakReport(elapsed, start, end, outcomes, warmup_errors + errors)
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=300.0)
@@ -240,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("tandem_args", nargs="*", help="extra `tandem up` flags (after --)")
     args = parser.parse_args(argv)
-    http_port, grpc_port, router_port, *decode = _free_ports(3 + args.num_decode)
+    http_port, grpc_port, router_port, *decode = free_ports(3 + args.num_decode)
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--engine", "mock", "--http-port",
            str(http_port), "--grpc-port", str(grpc_port), "--router-port", str(router_port),
            "--decode-ports", *map(str, decode), "--grace-period-s", "5", *args.tandem_args]
