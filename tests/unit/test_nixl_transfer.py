@@ -284,7 +284,11 @@ async def test_a_read_ending_within_the_grace_fails_without_a_reset(
     peer, handle, decode = frozen_peer
     decode.cancel_grace_s = 30
     agent_name = decode.source([0]).agent_name
-    asyncio.get_running_loop().call_later(0.5, peer.signal, signal.SIGCONT)
+    # Resume the peer after the read timed out, inside its grace period. Chained timers: posting
+    # the read can block the event loop (NIXL calls are synchronous) past the first delay on a
+    # loaded machine, and the peer must still wake only after the read's own timeout.
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.5, loop.call_later, 0.5, peer.signal, signal.SIGCONT)
     with pytest.raises(TransferError, match="took longer than 0.200 s$"):
         await decode.read(handle, [8, 9], timeout_s=0.2)
     assert decode.source([0]).agent_name == agent_name
