@@ -9,7 +9,7 @@ import pathlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,7 +20,7 @@ from tests.e2e.disagg_probe import child_pid, stats, wait_idle
 from tests.e2e.topology import Topology, start_topology
 
 NUM_STREAMS = 20
-#: Long enough that no stream is done by the time the slowest one got going.
+#: Long enough that the victim's streams are mid-answer when its step loop is held.
 MAX_TOKENS = 150
 #: Tokens every stream has received before the kill.
 TOKENS_BEFORE_KILL = 4
@@ -58,8 +58,7 @@ class Stream:
     error: BaseException | None = None
 
 
-def _run_stream(api: openai.OpenAI, model: str, stream: Stream,
-                progressed: threading.Semaphore) -> None:
+def _run_stream(api: openai.OpenAI, model: str, stream: Stream) -> None:
     try:
         raw = api.completions.with_raw_response.create(
             model=model, prompt=prompt(stream.index), max_tokens=MAX_TOKENS, temperature=0,
@@ -70,23 +69,27 @@ def _run_stream(api: openai.OpenAI, model: str, stream: Stream,
             if chunk.choices:
                 choice = chunk.choices[0]
                 stream.text += choice.text
-                before = stream.num_tokens
                 stream.num_tokens += len(choice.logprobs.tokens) if choice.logprobs else 0
-                if before < TOKENS_BEFORE_KILL <= stream.num_tokens:
-                    progressed.release()
                 stream.finish_reason = choice.finish_reason or stream.finish_reason
             if chunk.usage:
                 stream.completion_tokens = chunk.usage.completion_tokens
                 stream.prompt_tokens = chunk.usage.prompt_tokens
     except BaseException as exc:  # reported by the test, with the stream it broke
         stream.error = exc
-        progressed.release()
+
+
+def _wait_until(condition: Callable[[], bool], streams: list[Stream], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, (what, [(s.worker, s.num_tokens, s.error)
+                                                     for s in streams])
+        time.sleep(0.002)
 
 
 def test_killing_a_decode_worker_loses_no_stream(model_dir: pathlib.Path) -> None:
     topo = start_topology("--engine", "reference", "--model", str(model_dir), "--device", "cpu",
                           "--kv-block-size", "32", "--num-gpu-blocks-override", "256",
-                          num_decode=2)
+                          "--debug-hooks", num_decode=2)
     try:
         api = client(topo)
         # The uninterrupted answers, from the same topology before anything died.
@@ -97,15 +100,24 @@ def test_killing_a_decode_worker_loses_no_stream(model_dir: pathlib.Path) -> Non
         assert len({w.choices[0].text for w in want}) > 1
 
         streams = [Stream(i) for i in range(NUM_STREAMS)]
-        progressed = threading.Semaphore(0)
-        threads = [threading.Thread(target=_run_stream, args=(api, topo.model, s, progressed))
+        threads = [threading.Thread(target=_run_stream, args=(api, topo.model, s))
                    for s in streams]
         for thread in threads:
             thread.start()
-        for _ in streams:  # every stream is under way, with a few tokens
-            assert progressed.acquire(timeout=60)
         victim = topo.decode_addresses[0]
-        os.kill(child_pid(topo.process.pid, int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
+        pid = child_pid(topo.process.pid, int(victim.rsplit(":", 1)[1]))
+
+        def under_way(s: Stream) -> bool:
+            return s.num_tokens >= TOKENS_BEFORE_KILL or s.error is not None
+
+        # The victim's half of the streams is under way: hold its step loop there, so that none
+        # of them can finish while the other half gets going on a slower (loaded) worker.
+        _wait_until(lambda: len(on := [s for s in streams if s.worker == victim])
+                    >= NUM_STREAMS // 2 and all(map(under_way, on)), streams,
+                    "half the streams under way on the victim")
+        os.kill(pid, signal.SIGUSR1)
+        _wait_until(lambda: all(map(under_way, streams)), streams, "every stream under way")
+        os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         for s in streams:
             s.tokens_at_kill = s.num_tokens
