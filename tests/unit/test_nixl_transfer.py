@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
+import pathlib
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -41,6 +42,16 @@ def _prefill_main(conn: Connection, seed: int) -> None:
     transfer.close()
 
 
+def _thread_states(pid: int) -> Iterator[str]:
+    """The scheduler state letter of each thread of `pid` (from /proc/PID/task/TID/stat,
+    "TID (comm) STATE ...", where comm may hold spaces or parentheses)."""
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            yield stat.read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # the thread exited meanwhile
+            continue
+
+
 class Prefill:
     def __init__(self, seed: int) -> None:
         context = multiprocessing.get_context("spawn")
@@ -63,6 +74,15 @@ class Prefill:
     def signal(self, signum: int) -> None:
         assert self.process.pid is not None
         os.kill(self.process.pid, signum)
+        if signum == signal.SIGSTOP:  # delivered asynchronously: wait until every thread stopped
+            self._wait_until_stopped(self.process.pid)
+
+    @staticmethod
+    def _wait_until_stopped(pid: int) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while not all(state == "T" for state in _thread_states(pid)):
+            assert time.monotonic() < deadline, "the peer did not stop"
+            time.sleep(0.001)
 
     def stop(self) -> None:
         if self.process.is_alive():
