@@ -45,6 +45,9 @@ class FrontendMetrics:
                                      "from the prefix cache", labels, registry=r)
         self.disconnects = Counter("tandem_frontend_client_disconnects",
                                    "Clients that went away mid-request", labels, registry=r)
+        self.migrations = Counter("tandem_frontend_migrations", "Requests moved to another "
+                                  "decode worker after their stream broke midway", labels,
+                                  registry=r)
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
         self._streamed = self.output_tokens_total.labels(model)

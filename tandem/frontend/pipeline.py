@@ -322,6 +322,7 @@ class Pipeline:
                     raise
                 else:
                     progress.num_migrations += 1
+                    self.metrics.migrations.labels(self.metrics.model).inc()
                     if prefilled is not None and prefilled.kv_handle is not None:
                         if not progress.worker_streamed and self.prefill is not None:
                             # It may never have read the KV; a consumed lease ignores this.

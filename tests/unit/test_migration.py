@@ -198,7 +198,10 @@ async def test_each_migration_starts_from_everything_so_far(tokenizer: Tokenizer
                                                             script: list[int]) -> None:
     router = ScriptedRouter()
     workers = ScriptedWorkers(script, {"a": (2, "died"), "b": (4, "internal")})
-    deltas = await collect(make_pipeline(tokenizer, router, workers), request(12))
+    pipeline = make_pipeline(tokenizer, router, workers)
+    deltas = await collect(pipeline, request(12))
+    assert pipeline.metrics.registry.get_sample_value("tandem_frontend_migrations_total",
+                                                      {"model": "m"}) == 2
     assert joined(deltas)[1] == script[:12]
     assert workers.calls == ["a", "b", "c"] and router.excluded == [(), ("a",), ("a", "b")]
     assert [len(r.prompt_token_ids) - len(PROMPT) for _, r in workers.requests] == [0, 2, 6]
