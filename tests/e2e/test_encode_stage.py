@@ -3,7 +3,9 @@ a tiny LLaVA on CPU, so each request runs frontend -> encode -> prefill -> decod
 processes. Greedy tokens with one and with two images equal transformers'
 LlavaForConditionalGeneration.generate and the aggregated fallback (the decode worker given the
 images themselves); equal text with different images shares no image block; a repeated image hits
-the encode worker's cache; bad media is a clear 400 that leaves every service up."""
+the encode worker's cache; bad media is a clear 400 that leaves every service up. The public gRPC
+API (Inference.Generate with image parts) gives the same tokens, and INVALID_ARGUMENT for bad
+media."""
 from __future__ import annotations
 
 import base64
@@ -22,7 +24,7 @@ import pytest
 
 from tandem.multimodal.prompt import MultimodalPrompt
 from tandem.runtime import convert
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.e2e.disagg_probe import stats
 from tests.e2e.topology import Topology, free_ports, start_topology
 from tests.unit.test_llava_reference import IMAGES, NEW_TOKENS, Llava, png
@@ -224,3 +226,31 @@ def test_bad_media_is_a_clear_400_and_services_stay_up(
     reply = ask(client, topo, TEXT, [data_url(IMAGES[0])])
     assert [e.token for e in reply.choices[0].logprobs.content] == \
         token_texts(llava, llava.greedy(TEXT, IMAGES[:1]))
+
+
+def generate_public_grpc(topo: Topology, text: str, urls: list[str]) -> list[int]:
+    """Inference.Generate on the frontend's public gRPC API, a chat message with image parts."""
+    parts = [*(inference_pb2.ContentPart(image_url=u) for u in urls),
+             inference_pb2.ContentPart(text=text)]
+    request = inference_pb2.InferenceRequest(
+        model=topo.model, chat=inference_pb2.ChatInput(
+            messages=[inference_pb2.ChatMessage(role="user", parts=parts)]),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                           min_tokens=NEW_TOKENS))
+    with grpc.insecure_channel(topo.grpc_address) as channel:
+        return [t for chunk in inference_pb2_grpc.InferenceStub(channel).Generate(
+            request, timeout=60) for t in chunk.token_ids]
+
+
+def test_images_through_the_public_grpc_api(topo: Topology, llava: Llava) -> None:
+    (encoder,) = topo.encode_addresses
+    images = [IMAGES[1], png((48, 30, 3), 31)]
+    before = stats(encoder).num_encoded_images
+    assert generate_public_grpc(topo, TEXT, [data_url(d) for d in images]) == \
+        llava.greedy(TEXT, images)
+    assert stats(encoder).num_encoded_images > before  # the new image went to the encoder
+    with pytest.raises(grpc.RpcError) as info:
+        generate_public_grpc(topo, TEXT, [data_url(b"GIF89a" + b"broken" * 4, "image/gif")])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].content[0]" in (info.value.details() or "")
+    assert topo.process.poll() is None
