@@ -19,14 +19,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90
 
 
+#: Every port free_ports gave out in this process: the kernel may offer a closed one again, and
+#: two calls (a test's own ports, then its topology's) must never share one.
+_handed_out: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """`n` distinct loopback ports that nothing listened on just now, none of them handed out
+    before in this process."""
+    held: list[socket.socket] = []  # all bound until the end: the kernel offers each port once
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            if (port := sock.getsockname()[1]) not in _handed_out:
+                ports.append(port)
+        _handed_out.update(ports)
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def tandem_cmd(*args: str) -> list[str]:
@@ -91,8 +105,14 @@ def _read_ready_line(proc: subprocess.Popen[str]) -> str:
     reader.start()
     reader.join(START_TIMEOUT_S)
     if not result:
+        # Its output ended (it failed: the reason is in its log) or the wait timed out.
+        try:
+            code: int | None = proc.wait(timeout=0 if reader.is_alive() else 30)
+        except subprocess.TimeoutExpired:
+            code = None
         proc.kill()
-        raise RuntimeError(f"tandem up did not become ready (exit code {proc.poll()})")
+        why = f"exit code {code}" if code is not None else f"still starting after {START_TIMEOUT_S} s"
+        raise RuntimeError(f"tandem up did not become ready ({why}; its log says why)")
     return result[0]
 
 
