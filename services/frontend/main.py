@@ -53,7 +53,8 @@ class FrontendConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     #: API keys clients must send (`Authorization: Bearer <key>`); with --api-keys-file and
     #: $TANDEM_API_KEYS (all three together). None anywhere: no authentication.
-    api_keys: list[str] = field(default_factory=list, metadata={"secret": True})
+    api_keys: list[str] = field(default_factory=list,
+                                metadata={"secret": True, "env": False})
     #: File of API keys, one per line ('#' starts a comment line).
     api_keys_file: str = ""
     #: Admission control: most requests sent on to workers at once; 0: no limit.

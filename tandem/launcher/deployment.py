@@ -89,7 +89,8 @@ class Deployment:
     #: Workers: fault-test hooks (SIGUSR1 pauses the engine's step loop, SIGUSR2 resumes it).
     debug_hooks: bool = False
     #: Frontend: API keys (--api-keys; $TANDEM_API_KEYS reaches it through the environment).
-    api_keys: list[str] = field(default_factory=list, metadata={"secret": True})
+    api_keys: list[str] = field(default_factory=list,
+                                metadata={"secret": True, "env": False})
     #: Frontend: file of API keys, one per line.
     api_keys_file: str = ""
     log_level: str = "info"

@@ -1,18 +1,27 @@
-"""Typed, layered configuration: dataclass defaults < YAML file (--config) < CLI flags.
+"""Typed, layered configuration: dataclass defaults < YAML file (--config) < environment
+(TANDEM_*) < CLI flags.
 
 Every service describes its config as a frozen dataclass (nested dataclasses allowed). Flags are
 derived from field names (`max_batch_size` -> `--max-batch-size`) unless a field's metadata names
 another (`field(metadata={"flag": "--num-gpu-blocks-override"})`); help comes from `help`
 metadata. Unknown YAML keys are rejected with the key named, so a typo never passes silently.
 Fields with `secret` metadata (API keys) are redacted in `as_dict`, the start-up log line.
+
+Each leaf field also reads the environment variable named after its flag: `--tls-cert-file` ->
+`TANDEM_TLS_CERT_FILE` (booleans: true/false/1/0/yes/no/on/off; lists: comma- or space-separated;
+empty: unset), so that Compose and Kubernetes can add settings without rewriting a command line.
+A field whose metadata says `"env": False` reads no variable (it reads its own, with its own
+meaning).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
+import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
@@ -21,6 +30,8 @@ from tandem.errors import InvalidRequest
 
 T = TypeVar("T")
 _SCALARS = (str, int, float, bool)
+ENV_PREFIX = "TANDEM_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
@@ -34,6 +45,13 @@ def _is_config_class(tp: Any) -> typing.TypeGuard[type]:
 
 def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def env_var(f: dataclasses.Field) -> str | None:
+    """The environment variable that sets field `f` (None: it reads none)."""
+    if f.metadata.get("env") is False:
+        return None
+    return ENV_PREFIX + _flag(f)[2:].upper().replace("-", "_")
 
 
 def _scalar_type(tp: Any) -> Any:
@@ -51,8 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
         if _is_config_class(tp):
             add_arguments(parser, tp, dest + ".")
             continue
-        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
-                                  "help": f.metadata.get("help")}
+        var = env_var(f)
+        help_text = f.metadata.get("help")
+        if help_text and var:
+            help_text += f" [env {var}]"
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
         base = _scalar_type(tp)
         if _is_list_of_configs(base):
             continue  # structured lists come from the YAML file only
@@ -64,6 +85,38 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
         else:
             kwargs["type"] = base
         parser.add_argument(_flag(f), **kwargs)
+
+
+def from_environ(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The values of `cls` (nested like the YAML file) that TANDEM_* variables set."""
+    values: dict[str, Any] = {}
+    for f, tp in _fields(cls):
+        if _is_config_class(tp):
+            if nested := from_environ(tp, environ):
+                values[f.name] = nested
+            continue
+        var = env_var(f)
+        raw = environ.get(var, "").strip() if var else ""
+        if var and raw and not _is_list_of_configs(_scalar_type(tp)):
+            values[f.name] = _parse_env(var, raw, _scalar_type(tp))
+    return values
+
+
+def _parse_env(var: str, raw: str, base: Any) -> Any:
+    if typing.get_origin(base) in (list, tuple):
+        item = typing.get_args(base)[0]
+        return [_parse_env(var, part, item) for part in re.split(r"[,\s]+", raw) if part]
+    if base is bool:
+        if raw.lower() not in _TRUE | _FALSE:
+            raise InvalidRequest(f"${var} must be true or false, got {raw!r}", param=var)
+        return raw.lower() in _TRUE
+    if base in (int, float):
+        try:
+            return base(raw)
+        except ValueError:
+            raise InvalidRequest(f"${var} must be {base.__name__}, got {raw!r}",
+                                 param=var) from None
+    return raw
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -138,14 +191,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def load(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "") -> T:
-    """Parses argv (with an optional `--config FILE.yaml`) into a `cls` instance."""
-    config, _ = load_known(cls, argv, prog, description, allow_extra=False)
+def load(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "",
+         environ: Mapping[str, str] | None = None) -> T:
+    """Parses argv (with an optional `--config FILE.yaml`) and the TANDEM_* variables of
+    `environ` (default: this process's) into a `cls` instance."""
+    config, _ = load_known(cls, argv, prog, description, allow_extra=False, environ=environ)
     return config
 
 
 def load_known(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "",
-               allow_extra: bool = True) -> tuple[T, list[str]]:
+               allow_extra: bool = True,
+               environ: Mapping[str, str] | None = None) -> tuple[T, list[str]]:
     """Like `load`, but returns the arguments `cls` does not know instead of failing on them."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=pathlib.Path, default=None,
@@ -163,6 +219,7 @@ def load_known(cls: type[T], argv: Sequence[str] | None, prog: str, description:
         if not isinstance(loaded, dict):
             raise InvalidRequest(f"{config_file} must hold a YAML mapping")
         values = loaded
+    values = _merge(values, from_environ(cls, os.environ if environ is None else environ))
     return build(cls, _merge(values, _nest(ns))), extra
 
 

@@ -1,6 +1,8 @@
-"""Typed layered config: defaults < YAML < flags, and the launcher's process list."""
+"""Typed layered config: defaults < YAML < environment < flags, and the launcher's process
+list."""
 from __future__ import annotations
 
+import argparse
 import pathlib
 from dataclasses import dataclass, field
 
@@ -178,3 +180,44 @@ def test_encode_ports_add_an_encode_pool_and_the_frontend_gets_block_size_and_me
     with pytest.raises(InvalidRequest, match="mock engine"):
         processes(config_lib.load(Deployment, ["--engine", "mock", "--encode-ports", "9500"],
                                   prog="t"), tmp_path)
+
+
+def test_environment_sits_between_yaml_and_flags(tmp_path: pathlib.Path) -> None:
+    yaml_file = tmp_path / "up.yaml"
+    yaml_file.write_text("http_port: 1\ngrpc_port: 2\ndecode_ports: [3]\n")
+    environ = {"TANDEM_HTTP_PORT": "8080", "TANDEM_GRPC_PORT": "8081",
+               "TANDEM_DECODE_PORTS": "9201, 9202 9203", "TANDEM_TLS_CERT_FILE": "/s/cert.pem",
+               "TANDEM_TLS_KEY_FILE": "/s/key.pem", "TANDEM_TLS_CA_FILE": "/s/ca.pem",
+               "TANDEM_TLS_REQUIRE_CLIENT_CERT": "yes", "TANDEM_DEBUG_HOOKS": "",
+               "TANDEM_UNRELATED": "x"}
+    d = config_lib.load(Deployment, ["--config", str(yaml_file), "--grpc-port", "7"], prog="t",
+                        environ=environ)
+    assert d.http_port == 8080                   # environment over YAML
+    assert d.grpc_port == 7                      # flag over environment
+    assert d.decode_ports == [9201, 9202, 9203]  # a list, commas or spaces
+    assert (d.tls.cert_file, d.tls.key_file, d.tls.ca_file) == ("/s/cert.pem", "/s/key.pem",
+                                                                "/s/ca.pem")
+    assert d.tls.require_client_cert is True     # nested config, boolean words
+    assert d.debug_hooks is False                # empty: unset
+
+
+@pytest.mark.parametrize("var,value", [("TANDEM_PORT", "seven"), ("TANDEM_DEBUG_HOOKS", "maybe"),
+                                       ("TANDEM_SPEEDUP_RATIO", "fast")])
+def test_a_bad_environment_value_names_the_variable(var: str, value: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        config_lib.load(WorkerConfig, [], prog="t", environ={var: value})
+    assert info.value.message.startswith(f"${var} must be") and value in info.value.message
+
+
+def test_api_keys_keep_their_own_variable() -> None:
+    # $TANDEM_API_KEYS is added to the keys by the frontend itself (tandem.frontend.auth), never
+    # read as the --api-keys field, which would log it.
+    from services.frontend.main import FrontendConfig
+
+    config = config_lib.load(FrontendConfig, [], prog="t", environ={"TANDEM_API_KEYS": "k1"})
+    assert config.api_keys == []
+    parser = argparse.ArgumentParser()
+    config_lib.add_arguments(parser, FrontendConfig)
+    helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
+    assert "[env TANDEM_TLS_CERT_FILE]" in helps["--tls-cert-file"]
+    assert "env" not in helps.get("--api-keys", "")
