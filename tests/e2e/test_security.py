@@ -3,11 +3,13 @@ mock-engine worker behind TLS or mTLS, and a whole `tandem up` topology over mTL
 key on the frontend, reached by the official `openai` client and the gRPC Inference API."""
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,6 +83,11 @@ def _tls_flags(pki: Pki, mtls: bool) -> list[str]:
             "--tls-ca-file", str(pki.ca), *(["--tls-require-client-cert"] if mtls else [])]
 
 
+def _tls_environ(pki: Pki) -> dict[str, str]:
+    return {"TANDEM_TLS_CERT_FILE": str(pki.server[0]), "TANDEM_TLS_KEY_FILE": str(pki.server[1]),
+            "TANDEM_TLS_CA_FILE": str(pki.ca)}
+
+
 def _health(channel: grpc.Channel, wait: bool = False) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     return stub.Check(health_pb2.HealthCheckRequest(), wait_for_ready=wait,
@@ -140,6 +147,24 @@ def test_mtls_worker_refuses_clients_without_a_trusted_certificate(
         assert _health(channel) == SERVING
 
 
+def test_container_health_check_speaks_tls_from_the_services_environment(
+        pki: Pki, workers: tuple[str, str]) -> None:
+    script = ROOT / "deploy" / "docker" / "grpc_health_check.py"
+
+    def check(address: str, environ: dict[str, str]) -> int:
+        return subprocess.run([sys.executable, str(script), address, "--service",
+                               "tandem.v1.Decode", "--timeout-s", "10"], capture_output=True,
+                              env={**os.environ, **environ}, timeout=60).returncode
+
+    for address in workers:  # TLS, then mTLS (the health check presents the certificate)
+        assert check(address, _tls_environ(pki)) == 0
+        assert check(address, {}) == 1  # plaintext to a TLS port
+        # The certificate names localhost, not the address's host: verified under another name.
+        assert check(address.replace("127.0.0.1", "localhost"),
+                     _tls_environ(pki) | {"TANDEM_TLS_SERVER_NAME": "localhost"}) == 0
+        assert check(address, _tls_environ(pki) | {"TANDEM_TLS_SERVER_NAME": "other"}) == 1
+
+
 def _first_bytes(address: str, pki: Pki, cert: tuple[pathlib.Path, pathlib.Path] | None
                  ) -> bytes:
     """What the server answers an HTTP/2 preface with over raw TLS; b"" when it hung up."""
@@ -169,9 +194,10 @@ def test_mtls_handshake_is_refused_at_the_tls_layer(pki: Pki, workers: tuple[str
 @pytest.fixture(scope="module")
 def secure_topology(pki: Pki) -> Iterator[tuple[str, str, str]]:
     """`tandem up` with mTLS on every gRPC port, TLS on HTTP, and an API key on the frontend:
-    (https URL, gRPC address, model)."""
-    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", *_tls_flags(pki, True),
-                          "--api-keys", API_KEY)
+    (https URL, gRPC address, model). All of it from the environment, as Compose and Kubernetes
+    set it (the worker fixture above uses the flags)."""
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", env=_tls_environ(pki) | {
+        "TANDEM_TLS_REQUIRE_CLIENT_CERT": "true", "TANDEM_API_KEYS": API_KEY})
     try:
         yield topo.http_url, topo.grpc_address, topo.model
     finally:
