@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import start_http_server
 
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
@@ -38,6 +39,9 @@ class FrontendConfig:
     http_port: int = 8000
     #: Public gRPC Inference API port.
     grpc_port: int = 8001
+    #: Plain-HTTP port that serves only /metrics, for scrapers that should not reach the API
+    #: (or its TLS); 0: none. The OpenAI port serves /metrics too.
+    metrics_port: int = 0
     router_address: str = "127.0.0.1:9100"
     #: Model directory (tokenizer and config.json); empty: the generated demo model.
     model: str = ""
@@ -144,6 +148,9 @@ async def serve(config: FrontendConfig) -> None:
                                 "mtls": config.tls.require_client_cert})
     frontend, clients = build_frontend(config)
     build_info.register(frontend.pipeline.metrics.registry, "frontend")
+    if config.metrics_port:
+        start_http_server(config.metrics_port, config.host,
+                          registry=frontend.pipeline.metrics.registry)
     grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s,
                                              config.max_message_bytes, config.tls),
                                ["tandem.v1.Inference"])

@@ -67,6 +67,8 @@ class Deployment:
     grid_config: str = ""
     #: Router's Prometheus /metrics port; 0: none.
     router_metrics_port: int = 0
+    #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too); 0: none.
+    frontend_metrics_port: int = 0
     #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
     #: listed; without `pools`: the decode, then the prefill, then the encode workers); empty:
     #: none.
@@ -184,6 +186,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
+    if d.frontend_metrics_port:
+        frontend_flags += ["--metrics-port", str(d.frontend_metrics_port)]
     if d.api_keys:
         frontend_flags += ["--api-keys", *d.api_keys]
     if d.api_keys_file:

@@ -28,6 +28,8 @@ class Scrapes:
     router: str
     decode: str
     prefill: str
+    #: The frontend's own metrics port (--metrics-port): the same registry as its OpenAI port.
+    frontend_port: str
 
     def read(self, url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """Every sample at `url`: (name, labels) -> value."""
@@ -46,12 +48,13 @@ def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
 
 @pytest.fixture(scope="module")
 def scrapes() -> Iterator[Scrapes]:
-    router, decode, prefill = free_ports(3)
+    frontend, router, decode, prefill = free_ports(4)
     topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--router-metrics-port",
                           str(router), "--worker-metrics-ports", str(decode), str(prefill),
-                          num_prefill=1)
+                          "--frontend-metrics-port", str(frontend), num_prefill=1)
     url = "http://127.0.0.1:{}/metrics".format
-    yield Scrapes(topo, topo.http_url + "/metrics", url(router), url(decode), url(prefill))
+    yield Scrapes(topo, topo.http_url + "/metrics", url(router), url(decode), url(prefill),
+                  url(frontend))
     assert topo.stop() == 0
 
 
@@ -106,6 +109,7 @@ def test_counts_after_a_known_set_of_requests(scrapes: Scrapes) -> None:
     prompt_tokens = sum(u["prompt_tokens"] for u in usages) + grpc_usage.prompt_tokens
 
     f = scrapes.read(scrapes.frontend)
+    assert scrapes.read(scrapes.frontend_port) == f
     assert total(f, "tandem_frontend_requests_total", endpoint="completions", status="200") == 3
     assert total(f, "tandem_frontend_requests_total", endpoint="chat_completions",
                  status="200") == 2

@@ -396,7 +396,7 @@ NOT_COMPARED: dict[type, set[str]] = {
     # dns_refresh_s, with the KV-aware policy; compose runs Prometheus.
     RouterConfig: {"host", "pools", "decode_workers", "policy", "dns_refresh_s",
                    "metrics_port"},
-    FrontendConfig: {"host", "router_address"},
+    FrontendConfig: {"host", "router_address", "metrics_port"},
 }
 
 

@@ -54,8 +54,9 @@ def test_prometheus_scrapes_the_metrics_ports() -> None:
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in prometheus["scrape_configs"]}
     gpu = by_profile(compose, "gpu")
+    assert gpu["frontend"][1].metrics_port
     assert jobs["tandem-frontend"] == {"names": ["frontend"], "type": "A",
-                                       "port": gpu["frontend"][1].http_port}
+                                       "port": gpu["frontend"][1].metrics_port}
     router = gpu["router"][1]
     assert router.metrics_port and jobs["tandem-router"]["port"] == router.metrics_port
     assert jobs["tandem-router"]["names"] == ["router"]

@@ -248,7 +248,7 @@ def test_service_monitor_selects_every_metrics_port(tmp_path: pathlib.Path) -> N
             if port["name"] in endpoint_ports:
                 scraped[service["metadata"]["name"]] = port["port"]
     assert scraped["router"] == stages["router"][1].metrics_port
-    assert scraped["frontend"] == stages["frontend"][1].http_port
+    assert scraped["frontend"] == stages["frontend"][1].metrics_port
     for stage in WORKER_STAGES:
         deployment, worker = stages[stage]
         name = headless_service(stage, deployment)["metadata"]["name"]
