@@ -20,7 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.e2e.topology import ROOT, START_TIMEOUT_S, free_ports, start_topology, tandem_cmd
+from tests.e2e.topology import (
+    ROOT,
+    START_TIMEOUT_S,
+    free_ports,
+    start_topology,
+    tandem_cmd,
+    terminate_all,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 API_KEY = "sk-tandem-test"
@@ -122,10 +129,7 @@ def workers(pki: Pki) -> Iterator[tuple[str, str]]:
                 assert _health(channel, wait=True) == SERVING
         yield addresses[0], addresses[1]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            assert proc.wait(timeout=30) == 0
+        terminate_all(procs)
 
 
 def test_tls_worker_refuses_plaintext_and_unverified_clients(

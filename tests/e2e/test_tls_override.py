@@ -23,7 +23,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.v1 import inference_pb2, inference_pb2_grpc
-from tests.e2e.topology import ROOT, START_TIMEOUT_S, free_ports, tandem_cmd
+from tests.e2e.topology import ROOT, START_TIMEOUT_S, free_ports, tandem_cmd, terminate_all
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 OVERRIDE = ROOT / "deploy" / "compose" / "tls.yaml"
@@ -77,10 +77,7 @@ def services(tmp_path_factory: pytest.TempPathFactory
                 time.sleep(0.5)
         yield certs, http, grpc_port, f"127.0.0.1:{decode}"
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            assert proc.wait(timeout=30) == 0
+        terminate_all(procs)
 
 
 def test_clients_reach_the_public_ports_and_services_each_other(

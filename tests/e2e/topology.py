@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -126,6 +127,14 @@ def start_worker(*extra: str, engine: str = "mock", port: int | None = None,
     address = f"127.0.0.1:{port}"
     wait_serving(address)
     return proc, address
+
+
+def terminate_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGTERM to every process, then each must drain and exit 0."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        assert proc.wait(timeout=30) == 0, proc.args
 
 
 def wait_serving(address: str) -> None:
