@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
             continue
         var = env_var(f)
         help_text = f.metadata.get("help")
-        if help_text and var:
-            help_text += f" [env {var}]"
+        if var:
+            help_text = f"{help_text} [env {var}]" if help_text else f"[env {var}]"
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
         base = _scalar_type(tp)
         if _is_list_of_configs(base):
