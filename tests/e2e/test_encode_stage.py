@@ -14,7 +14,6 @@ import pathlib
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from tandem.multimodal.prompt import MultimodalPrompt
 from tandem.runtime import convert
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.e2e.disagg_probe import stats
-from tests.e2e.topology import Topology, free_ports, start_topology
+from tests.e2e.topology import Topology, start_topology
 from tests.unit.test_llava_reference import IMAGES, NEW_TOKENS, Llava, png
 
 BLOCK_SIZE = 4
@@ -78,34 +77,16 @@ def hang_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def topo(model_dir: pathlib.Path, media_dir: pathlib.Path) -> Iterator[Topology]:
-    (metrics_port,) = free_ports(1)
     topo = start_topology(
         "--engine", "reference", "--device", "cpu", "--kv-block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", "256", "--model", str(model_dir),
-        "--router-metrics-port", str(metrics_port),
         "--max-file-size-mb", str(MAX_FILE_MB), "--media-fetch-timeout-s", "1",
         "--allowed-media-networks", "127.0.0.0/8", "--allowed-local-media-path", str(media_dir),
         num_prefill=1, num_encode=1)
     try:
-        wait_router_candidates(metrics_port, {"decode": 1, "prefill": 1, "encode": 1})
         yield topo
     finally:
         assert topo.stop() == 0
-
-
-def wait_router_candidates(port: int, want: dict[str, int], timeout_s: float = 30) -> None:
-    """`tandem up` is ready once every service serves; the router takes a worker as a candidate
-    a moment later (its event stream connected). Its metrics are the outside view of that."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        have = {pool: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                for pool in want if line.startswith(f'tandem_router_healthy_workers{{pool="{pool}"')}
-        if all(have.get(pool, 0) >= n for pool, n in want.items()):
-            return
-        assert time.monotonic() < deadline, f"router candidates {have}, want {want}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
