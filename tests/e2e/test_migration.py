@@ -141,7 +141,7 @@ def test_killing_a_decode_worker_loses_no_stream(model_dir: pathlib.Path) -> Non
         context = multiprocessing.get_context("spawn")
         watching = context.Event()
         pauser = context.Process(target=pause_when_blocks_used,
-                                 args=(victim, pids[0], 2 * queued, watching))
+                                 args=(victim, pids[0], 2 * queued, watching), daemon=True)
         pauser.start()
         assert watching.wait(60)
         for pid in pids:
