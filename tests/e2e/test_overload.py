@@ -14,6 +14,16 @@ from tests.e2e.topology import start_topology
 from tests.e2e.worker_probe import LoadWatcher
 
 
+def post_json(url: str, body: bytes) -> tuple[int, dict, dict]:
+    """POSTs a JSON body: (HTTP status, headers, JSON reply), error statuses included."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, dict(reply.headers), json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
 def test_full_queue_answers_429_with_retry_after() -> None:
     topo = start_topology("--engine", "mock", "--speedup-ratio", "1", "--max-batch-size", "1",
                           "--max-queued-requests", "1")
@@ -22,13 +32,7 @@ def test_full_queue_answers_429_with_retry_after() -> None:
                        "messages": [{"role": "user", "content": "take your time"}]}).encode()
 
     def post() -> tuple[int, dict, dict]:
-        request = urllib.request.Request(topo.http_url + "/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, dict(reply.headers), json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, dict(exc.headers), json.loads(exc.read())
+        return post_json(topo.http_url + "/v1/chat/completions", body)
 
     try:
         results: list[tuple[int, dict, dict]] = []
@@ -73,13 +77,7 @@ def test_burst_beyond_frontend_capacity_gets_429_and_frees_everything() -> None:
                            "prompt": "burst " * 50}).encode()
 
         def post(_: int) -> tuple[int, dict, dict]:
-            request = urllib.request.Request(topo.http_url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=60) as reply:
-                    return reply.status, dict(reply.headers), json.loads(reply.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, dict(exc.headers), json.loads(exc.read())
+            return post_json(topo.http_url + "/v1/completions", body)
 
         with ThreadPoolExecutor(48) as pool:
             results = list(pool.map(post, range(48)))
