@@ -1,4 +1,4 @@
-"""CLIP-style image preprocessing as a model's preprocessor_config.json says.
+"""CLIP-style image preprocessing as a model's image processor config says.
 
 Reproduces transformers' PIL backend (CLIPImageProcessorPil, used by LLaVA-1.5 models) step for
 step, so pixel values equal what `AutoProcessor` gives: convert to RGB (transparency composited
@@ -21,6 +21,11 @@ from tandem.errors import InvalidRequest
 if TYPE_CHECKING:
     from PIL import Image
 
+#: Where a processor saved by transformers 5 (`ProcessorMixin.save_pretrained`) keeps the image
+#: processor config: nested under IMAGE_PROCESSOR_KEY, beside the processor's own keys.
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_KEY = "image_processor"
+#: The older layout, a file of its own (transformers 4, or an image processor saved alone).
 CONFIG_FILE = "preprocessor_config.json"
 _BICUBIC = 3
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -59,13 +64,19 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> ImageProcessorConfig:
-        """Read `path/preprocessor_config.json`. Raises InvalidRequest if missing or malformed."""
-        file = pathlib.Path(path) / CONFIG_FILE
+        """Read a model directory's image processor config, found as transformers'
+        `AutoImageProcessor` finds it: the IMAGE_PROCESSOR_KEY entry of processor_config.json
+        when it has one (a null entry counts as none), else preprocessor_config.json.
+
+        Raises:
+            InvalidRequest: neither file holds an image processor config (the message names
+                both), or the one found is unreadable or malformed.
+        """
+        raw, source = _find_config(pathlib.Path(path))
         try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
             return cls.from_dict(raw)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidRequest(f"cannot read the image processor config {file}: {exc}",
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequest(f"cannot read the image processor config in {source}: {exc}",
                                  param="model") from exc
 
     @classmethod
@@ -92,6 +103,41 @@ class ImageProcessorConfig:
             image_mean=_triple(raw.get("image_mean", _CLIP_MEAN)),
             image_std=_triple(raw.get("image_std", _CLIP_STD)),
         )
+
+
+def _find_config(root: pathlib.Path) -> tuple[Mapping[str, Any], str]:
+    """(The raw image processor config, where it was found) in the precedence of transformers'
+    `ImageProcessingMixin.get_image_processor_dict`: the nested entry first, then the file."""
+    processor_file = root / PROCESSOR_FILE
+    processor = _read_object(processor_file)
+    nested = processor.get(IMAGE_PROCESSOR_KEY) if processor is not None else None
+    if nested is not None:
+        source = f"{processor_file} (key {IMAGE_PROCESSOR_KEY!r})"
+        if not isinstance(nested, Mapping):
+            raise InvalidRequest(f"cannot read the image processor config in {source}: "
+                                 f"expected a JSON object, got {type(nested).__name__}",
+                                 param="model")
+        return nested, source
+    legacy_file = root / CONFIG_FILE
+    legacy = _read_object(legacy_file)
+    if legacy is None:
+        raise InvalidRequest(
+            f"model directory {root} has no image processor config: neither {PROCESSOR_FILE} "
+            f"with an {IMAGE_PROCESSOR_KEY!r} entry nor {CONFIG_FILE}", param="model")
+    return legacy, str(legacy_file)
+
+
+def _read_object(file: pathlib.Path) -> dict[str, Any] | None:
+    """The JSON object in `file`; None when there is no such file."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"cannot read {file}: {exc}", param="model") from exc
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{file} does not hold a JSON object", param="model")
+    return raw
 
 
 def _triple(value: Any) -> tuple[float, float, float]:

@@ -3,6 +3,9 @@ transformers' CLIP image processor, placeholder expansion, content parts, the en
 from __future__ import annotations
 
 import io
+import json
+import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,6 +91,68 @@ def test_preprocessing_pads_when_the_crop_is_larger_than_the_image() -> None:
     want = CLIPImageProcessorPil(**config)(images=[image], return_tensors="np")
     got = preprocess(image, ImageProcessorConfig.from_dict(config))
     np.testing.assert_array_equal(got, want["pixel_values"][0])
+
+
+def write_processor_files(root: pathlib.Path, nested: dict[str, Any] | None,
+                          legacy: dict[str, Any] | None, *, with_processor_file: bool = True) -> None:
+    """processor_config.json (with `nested` as its image_processor entry; the entry is null when
+    `nested` is None) and, given `legacy`, preprocessor_config.json."""
+    typed = {"image_processor_type": "CLIPImageProcessor"}
+    if with_processor_file:
+        (root / "processor_config.json").write_text(json.dumps({
+            "image_processor": {**typed, **nested} if nested is not None else None,
+            "processor_class": "LlavaProcessor", "patch_size": 14}))
+    if legacy is not None:
+        (root / "preprocessor_config.json").write_text(json.dumps({**typed, **legacy}))
+
+
+SMALL_CROP = {**CLIP_CONFIG, "size": {"shortest_edge": 30},
+              "crop_size": {"height": 30, "width": 28}}
+
+
+@pytest.mark.parametrize("nested,legacy,with_processor_file,want_hw", [
+    (CLIP_CONFIG, None, True, (42, 42)),  # transformers 5: nested only
+    (None, SMALL_CROP, False, (30, 28)),  # older layout: preprocessor_config.json alone
+    (None, SMALL_CROP, True, (30, 28)),  # a processor_config.json with a null entry
+    (CLIP_CONFIG, SMALL_CROP, True, (42, 42)),  # both: the nested entry wins
+])
+def test_image_processor_config_is_found_where_transformers_finds_it(
+        tmp_path: pathlib.Path, nested: dict[str, Any] | None, legacy: dict[str, Any] | None,
+        with_processor_file: bool, want_hw: tuple[int, int]) -> None:
+    from transformers import AutoImageProcessor
+
+    write_processor_files(tmp_path, nested, legacy, with_processor_file=with_processor_file)
+    config = ImageProcessorConfig.from_dir(tmp_path)
+    assert config.output_hw == want_hw
+    image = decode_image(encoded((60, 80, 3)))
+    want = AutoImageProcessor.from_pretrained(str(tmp_path), backend="pil")(
+        images=[image], return_tensors="np")["pixel_values"][0]
+    np.testing.assert_array_equal(preprocess(image, config), want)
+
+
+def test_no_image_processor_config_names_both_files(tmp_path: pathlib.Path) -> None:
+    for nested_entry in (False, True):  # no processor_config.json; one without the entry
+        if nested_entry:
+            (tmp_path / "processor_config.json").write_text('{"patch_size": 14}')
+        with pytest.raises(InvalidRequest, match=r"neither processor_config\.json with an "
+                                                 r"'image_processor' entry nor "
+                                                 r"preprocessor_config\.json") as info:
+            ImageProcessorConfig.from_dir(tmp_path)
+        assert info.value.param == "model"
+
+
+@pytest.mark.parametrize("processor_text,message", [
+    ("{not json", r"cannot read .*processor_config\.json"),
+    ('{"image_processor": [1, 2]}', r"processor_config\.json \(key 'image_processor'\).*"
+                                    r"expected a JSON object"),
+    ('{"image_processor": {"image_mean": [0.5, 0.5]}}', r"key 'image_processor'.*3 channel"),
+])
+def test_malformed_image_processor_config_is_invalid_request(
+        tmp_path: pathlib.Path, processor_text: str, message: str) -> None:
+    write_processor_files(tmp_path, None, CLIP_CONFIG, with_processor_file=False)
+    (tmp_path / "processor_config.json").write_text(processor_text)
+    with pytest.raises(InvalidRequest, match=message):
+        ImageProcessorConfig.from_dir(tmp_path)
 
 
 def test_placeholders_follow_the_feature_select_strategy() -> None:
