@@ -10,6 +10,7 @@ from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.runtime import tracing
+from tandem.runtime.router_status import pools_to_pb
 from tandem.v1 import router_pb2 as pb
 from tandem.v1 import router_pb2_grpc
 
@@ -68,3 +69,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         released = sum(self.router.complete(c.request_id) for c in request.completions)
         return pb.CompleteResponse(released=released)
+
+    async def ListWorkers(self, request: pb.ListWorkersRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        return pools_to_pb(self.router.snapshot(time.monotonic()))

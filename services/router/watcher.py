@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.routing.prefix_index import PrefixIndex
-from tandem.routing.workers import WorkerState
+from tandem.routing.workers import Health, WorkerState
 from tandem.runtime import convert
+from tandem.runtime.router_status import load_from_pb
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
@@ -26,7 +28,11 @@ from tandem.v1 import kv_events_pb2_grpc
 log = logging.getLogger(__name__)
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0)
 KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-             ("grpc.keepalive_permit_without_calls", 1)]
+             ("grpc.keepalive_permit_without_calls", 1),
+             # gRPC's own reconnect back-off (1 s growing to 120 s) would keep a worker that
+             # came up late out of the candidate set long after it serves: cap it near ours.
+             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+             ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 class SequenceGap(Exception):
@@ -43,10 +49,11 @@ class WorkerWatcher:
         # Keepalive pings detect a peer that vanished without closing the connection (a lost
         # node): both streams are otherwise silent while nothing changes.
         self.channel = aio_channel(state.ref.address, tls, KEEPALIVE)
-        self.serving = False
-        self.streaming = False
         self.epoch: int | None = None
         self.last_sequence: int | None = None
+        #: Whether the event stream ever delivered, and whether its current outage was logged.
+        self._events_seen = False
+        self._events_outage_logged = False
         #: Set whenever the worker's candidacy or index changes (tests and metrics wait on it).
         self.changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -65,11 +72,9 @@ class WorkerWatcher:
         await self.channel.close()
 
     def _update(self) -> None:
-        healthy = self.serving and self.streaming
-        if healthy != self.state.healthy:
+        if self.state.refresh_candidacy():
             log.info("worker candidacy changed", extra={"worker": self.state.worker_id,
-                                                        "healthy": healthy})
-            self.state.healthy = healthy
+                                                        "healthy": self.state.healthy})
             self.on_change()
         self.changed.set()
 
@@ -82,14 +87,19 @@ class WorkerWatcher:
         while True:
             try:
                 async for reply in stub.Watch(health_pb2.HealthCheckRequest(service="")):
-                    self.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    self.state.health = (
+                        Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING
+                        else Health.NOT_SERVING)
+                    self.state.health_error = ""
                     attempt = 0
                     self._update()
-            except grpc.aio.AioRpcError:
-                pass
-            except Exception:  # never let the watch die: the worker would stay a candidate
+                self.state.health_error = "health stream ended"
+            except grpc.aio.AioRpcError as exc:
+                self.state.health_error = _error(exc)
+            except Exception as exc:  # never let the watch die: the worker would stay a candidate
                 log.exception("health watch failed", extra={"worker": self.state.worker_id})
-            self.serving = False
+                self.state.health_error = repr(exc)
+            self.state.health = Health.UNREACHABLE
             self._update()
             await self._retry(attempt)
             attempt += 1
@@ -110,13 +120,16 @@ class WorkerWatcher:
                 async for message in stub.Subscribe(self._request()):
                     self._on_message(message)
                     attempt = 0
+                self.state.events_error = "event stream ended"
             except (grpc.aio.AioRpcError, SequenceGap) as exc:
-                log.info("event stream broke", extra={"worker": self.state.worker_id,
-                                                      "error": str(exc)})
-            except Exception:  # a bad message: start over from a snapshot rather than stop
+                self.state.events_error = (_error(exc) if isinstance(exc, grpc.aio.AioRpcError)
+                                           else str(exc))
+                self._note_events_down()
+            except Exception as exc:  # a bad message: start over from a snapshot, not stop
                 log.exception("event stream failed", extra={"worker": self.state.worker_id})
                 self.last_sequence = self.epoch = None
-            self.streaming = False
+                self.state.events_error = repr(exc)
+            self.state.events_connected = False
             self._update()
             await self._retry(attempt)
             attempt += 1
@@ -137,10 +150,29 @@ class WorkerWatcher:
             self.index.apply(worker, [convert.kv_event_from_pb(e) for e in batch.events])
             self.epoch, self.last_sequence = batch.epoch, batch.sequence
         else:
-            load = message.load
-            bs = self.state.block_size
-            self.state.report(-(-load.pending_prefill_tokens // bs), load.active_decode_blocks,
-                              load.num_running + load.num_waiting)
-        if not self.streaming:
-            self.streaming = True
+            self.state.take_report(load_from_pb(message.load), time.monotonic())
+        if self._events_outage_logged:
+            log.log(logging.INFO if self._events_seen else logging.DEBUG, "event stream open",
+                    extra={"worker": self.state.worker_id})
+            self._events_outage_logged = False
+        self._events_seen = True
+        self.state.events_connected, self.state.events_error = True, ""
         self._update()
+
+    def _note_events_down(self) -> None:
+        """One line per outage, not one per reconnect attempt: a worker whose stream never
+        opened is still starting (expected while `tandem up` loads models: debug); one that
+        had it open lost it (warning)."""
+        if self._events_outage_logged:
+            return
+        self._events_outage_logged = True
+        extra = {"worker": self.state.worker_id, "error": self.state.events_error}
+        if self._events_seen:
+            log.warning("event stream broke; reconnecting", extra=extra)
+        else:
+            log.debug("waiting for the worker's event stream", extra=extra)
+
+
+def _error(exc: grpc.aio.AioRpcError) -> str:
+    """A broken stream's cause in one line, for operators."""
+    return f"{exc.code().name}: {exc.details()}"

@@ -1,5 +1,6 @@
 """`tandem up`: start a whole topology as local processes, wait until every service reports
-SERVING on its gRPC health service, print where to reach it, stop everything on SIGINT/SIGTERM."""
+SERVING on its gRPC health service and the router takes every worker as a routing candidate,
+print where to reach it, stop everything on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -13,17 +14,26 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
+from tandem.cli import TERMINATION_LOG_ENV
+from tandem.errors import TandemError
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes, with_model
 from tandem.model.demo import ensure_demo_model
+from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs
 from tandem.runtime.health_probe import wait_serving
+from tandem.runtime.router_status import RouterStatusClient
 from tandem.runtime.tls import TlsConfig
 
 log = logging.getLogger("tandem.up")
 _PR_SET_PDEATHSIG = 1
+#: Between two ListWorkers calls while the router takes the workers on (it reconnects to a
+#: worker within its back-off, at most 2 s), and between two log lines naming the missing ones.
+CANDIDATES_POLL_S = 0.1
+CANDIDATES_LOG_S = 5.0
 
 
 def _die_with_parent() -> None:
@@ -32,32 +42,85 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-async def _wait_serving(address: str, child: subprocess.Popen[bytes], tls: TlsConfig) -> None:
-    """Returns when the service at `address` reports SERVING; raises if its process exits."""
-    if not await wait_serving(address, lambda: child.poll() is None, tls=tls):
-        raise RuntimeError(f"{address} exited with code {child.returncode} before it was ready")
+class StartupFailed(RuntimeError):
+    """A service exited before the topology was ready; the message says which and why."""
 
 
 class Topology:
-    def __init__(self, specs: list[ServiceProcess], tls: TlsConfig) -> None:
+    def __init__(self, specs: list[ServiceProcess], tls: TlsConfig,
+                 workdir: pathlib.Path | None = None) -> None:
         self.specs = specs
         #: The services' TLS config: the launcher's health probes speak it too.
         self.tls = tls
+        #: Where each child writes the line that says why it failed (its termination log).
+        self.workdir = workdir
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
+    def _termination_log(self, name: str) -> pathlib.Path | None:
+        return self.workdir / f"{name}.exit" if self.workdir is not None else None
+
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for spec in self.specs:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if (path := self._termination_log(spec.name)) is not None:
+                env[TERMINATION_LOG_ENV] = str(path)
             # Own session: a Ctrl-C on the terminal reaches only the launcher, which then stops
             # the children in order (frontend first) instead of all at once.
             self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
                                                         start_new_session=True,
                                                         preexec_fn=_die_with_parent)
-            log.info("started", extra={"service": spec.name, "pid": self.children[spec.name].pid})
+            log.debug("started", extra={"service": spec.name,
+                                        "pid": self.children[spec.name].pid})
+
+    def failure(self, name: str) -> StartupFailed:
+        """Why child `name` exited: the line it wrote to its termination log, else its code."""
+        code = self.children[name].returncode
+        path = self._termination_log(name)
+        reason = ""
+        if path is not None and path.is_file():
+            reason = " ".join(path.read_text(errors="replace").split())
+        return StartupFailed(f"{name} did not start: {reason}" if reason else
+                             f"{name} exited with code {code} before it was ready (its log "
+                             "above says more)")
+
+    async def _wait_serving(self, spec: ServiceProcess) -> None:
+        """Returns when `spec`'s service reports SERVING; raises if its process exits."""
+        child = self.children[spec.name]
+        if not await wait_serving(spec.health_address, lambda: child.poll() is None,
+                                  tls=self.tls):
+            raise self.failure(spec.name)
 
     async def wait_ready(self) -> None:
-        await asyncio.gather(*(_wait_serving(s.health_address, self.children[s.name], self.tls)
-                               for s in self.specs))
+        await asyncio.gather(*(self._wait_serving(s) for s in self.specs))
+        await self._wait_candidates()
+
+    def _check_alive(self) -> None:
+        for name, child in self.children.items():
+            if child.poll() is not None:
+                raise self.failure(name)
+
+    async def _wait_candidates(self) -> None:
+        """Returns when the router takes every worker of every pool as a routing candidate: the
+        router serves as soon as one can take a request, and a worker it has not taken yet
+        would get no traffic. Raises if a process exits first."""
+        router = next(s.health_address for s in self.specs if s.name == "router")
+        logged_at = time.monotonic()
+        async with RouterStatusClient(router, self.tls) as client:
+            while True:
+                self._check_alive()
+                failure = ""
+                try:
+                    pools = await client.list_workers()
+                except TandemError as exc:  # the next round says whether the router exited
+                    pools, failure = [], exc.message
+                if all_candidates(pools):
+                    return
+                if time.monotonic() - logged_at >= CANDIDATES_LOG_S:
+                    logged_at = time.monotonic()
+                    log.info("waiting for the router to take workers as candidates", extra={
+                        "workers": {w.worker_id: w.reason for _, w in not_candidates(pools)},
+                        "router_error": failure})
+                await asyncio.sleep(CANDIDATES_POLL_S)
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM in reverse start order (frontend first, so it drains onto live workers)."""
@@ -91,13 +154,13 @@ async def run(d: Deployment) -> int:
     d = with_model(d, model_dir)
     name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    topology = Topology(processes(d, workdir), d.tls)
+    topology = Topology(processes(d, workdir), d.tls, workdir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     topology.start()
-    code = 0
+    failure: StartupFailed | None = None
     try:
         ready = asyncio.ensure_future(topology.wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
@@ -108,17 +171,20 @@ async def run(d: Deployment) -> int:
             await stopped
         else:
             ready.cancel()
-    except RuntimeError as exc:
-        log.error("start-up failed", extra={"error": str(exc)})
-        code = 1
+    except StartupFailed as exc:
+        failure = exc
     finally:
         await topology.stop(d.grace_period_s)
         shutil.rmtree(workdir, ignore_errors=True)
-    return code
+    if failure is not None:
+        # The child said why in its own log already; this is the line a person reads last.
+        print(f"tandem up: {failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str]) -> None:
     d = config_lib.load(Deployment, argv, prog="tandem up",
                         description="Start a whole Tandem topology as local processes.")
-    logs.setup("up", d.log_level)
+    logs.setup("up", d.log_level, d.log_format)
     sys.exit(asyncio.run(run(d)))

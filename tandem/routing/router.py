@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from tandem.routing.config import POOL_KINDS, PoolConfig
 from tandem.routing.grid import GridConfig
 from tandem.routing.policies import WorkerPolicy, create_policy
 from tandem.routing.prefix_index import PrefixIndex
+from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
 from tandem.routing.workers import (
     RouteContext,
     RouteDecision,
@@ -223,3 +225,13 @@ class Router:
         """Requests routed to `worker_id` and not completed yet."""
         return sum(1 for handed in self._handed.values()
                    if any(w.worker_id == worker_id for w, *_ in handed))
+
+    def snapshot(self, now: float) -> list[PoolSnapshot]:
+        """Every pool and worker as of `now` (time.monotonic()): candidacy, load, index."""
+        in_flight = Counter(worker_id for handed in self._handed.values()
+                            for worker_id in {w.worker_id for w, *_ in handed})
+        return [PoolSnapshot(pool.name, pool.config.kind, pool.config.policy, tuple(
+            WorkerSnapshot.of(w, in_flight[w.worker_id], self.index.num_blocks_of(w.worker_id),
+                              now)
+            for w in list(pool.workers.values())))
+            for pool in self.pools]

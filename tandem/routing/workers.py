@@ -1,6 +1,7 @@
 """Workers the router hands out, and the load it counts for them."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,31 @@ class RouteContext:
     sla: SlaHints = field(default_factory=SlaHints)
 
 
+class Health(enum.Enum):
+    """A worker's health as the router last heard it on the worker's health stream."""
+
+    UNKNOWN = "unknown"  # no answer yet
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"  # starting, draining, or its engine stopped making progress
+    UNREACHABLE = "unreachable"  # the health stream is broken (process gone, port closed)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A worker's own load, as it last reported it on its KvEvents stream."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    #: Prompt tokens still to be prefilled over all its requests.
+    pending_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    #: The worker's wall clock when it took the snapshot, Unix epoch milliseconds.
+    timestamp_unix_ms: int = 0
+
+
 @dataclass
 class WorkerState:
     """A worker as the router sees it: membership, health and load.
@@ -57,6 +83,15 @@ class WorkerState:
     pending_requests: int = 0
     #: Load reports received so far (tells whether a report has covered a hand-out).
     num_reports: int = 0
+    #: What the router's watcher last learnt of the worker, for `candidacy_reason` and
+    #: operators: its health, whether its event stream is connected, why either last broke.
+    health: Health = Health.UNKNOWN
+    events_connected: bool = False
+    health_error: str = ""
+    events_error: str = ""
+    #: The last load report and when it arrived (time.monotonic()); None before the first.
+    last_load: LoadReport | None = None
+    last_load_at: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -86,6 +121,33 @@ class WorkerState:
         self.reported_requests = requests
         self.pending_prefill_blocks = self.pending_decode_blocks = self.pending_requests = 0
         self.num_reports += 1
+
+    def take_report(self, load: LoadReport, now: float) -> None:
+        """A load report from the worker's event stream, received at `now` (monotonic)."""
+        self.last_load, self.last_load_at = load, now
+        self.report(-(-load.pending_prefill_tokens // self.block_size), load.active_decode_blocks,
+                    load.num_running + load.num_waiting)
+
+    def refresh_candidacy(self) -> bool:
+        """A candidate while its health is SERVING and its event stream connected (the index
+        and load it routes on are current); returns whether `healthy` changed."""
+        healthy = self.health is Health.SERVING and self.events_connected
+        changed, self.healthy = healthy != self.healthy, healthy
+        return changed
+
+    def candidacy_reason(self) -> str:
+        """Why the worker is not a routing candidate, in one line for people; "" when it is."""
+        if self.healthy:
+            return ""
+        if self.health is Health.UNREACHABLE:
+            # Its event stream shares the connection: one cause, said once.
+            return "unreachable" + (f" ({self.health_error})" if self.health_error else "")
+        reasons = {Health.UNKNOWN: ["no health answer yet"],
+                   Health.NOT_SERVING: ["health NOT_SERVING"]}.get(self.health, [])
+        if not self.events_connected:
+            reasons.append(f"event stream down ({self.events_error})" if self.events_error
+                           else "event stream not connected yet")
+        return "; ".join(reasons) or "taken out of the candidate set"
 
     def take_back(self, prefill_blocks: int, decode_blocks: int, reports_then: int) -> None:
         """A request handed out when `num_reports` was `reports_then` completed: take its load

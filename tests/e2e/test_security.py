@@ -3,6 +3,7 @@ mock-engine worker behind TLS or mTLS, and a whole `tandem up` topology over mTL
 key on the frontend, reached by the official `openai` client and the gRPC Inference API."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -23,6 +24,7 @@ from tandem.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.topology import (
     ROOT,
     START_TIMEOUT_S,
+    Topology,
     free_ports,
     start_topology,
     tandem_cmd,
@@ -196,14 +198,14 @@ def test_mtls_handshake_is_refused_at_the_tls_layer(pki: Pki, workers: tuple[str
 
 
 @pytest.fixture(scope="module")
-def secure_topology(pki: Pki) -> Iterator[tuple[str, str, str]]:
-    """`tandem up` with mTLS on every gRPC port, TLS on HTTP, and an API key on the frontend:
-    (https URL, gRPC address, model). All of it from the environment, as Compose and Kubernetes
-    set it (the worker fixture above uses the flags)."""
+def secure_topology(pki: Pki) -> Iterator[Topology]:
+    """`tandem up` with mTLS on every gRPC port, TLS on HTTP, and an API key on the frontend.
+    All of it from the environment, as Compose and Kubernetes set it (the worker fixture above
+    uses the flags)."""
     topo = start_topology("--engine", "mock", "--speedup-ratio", "0", env=_tls_environ(pki) | {
         "TANDEM_TLS_REQUIRE_CLIENT_CERT": "true", "TANDEM_API_KEYS": API_KEY})
     try:
-        yield topo.http_url, topo.grpc_address, topo.model
+        yield topo
     finally:
         assert topo.stop() == 0
 
@@ -214,9 +216,8 @@ def _openai(url: str, pki: Pki, api_key: str) -> openai.OpenAI:
                              verify=ssl.create_default_context(cafile=pki.ca)))
 
 
-def test_openai_client_needs_the_api_key(pki: Pki, secure_topology: tuple[str, str, str]
-                                         ) -> None:
-    url, _, model = secure_topology
+def test_openai_client_needs_the_api_key(pki: Pki, secure_topology: Topology) -> None:
+    url, model = secure_topology.http_url, secure_topology.model
     assert url.startswith("https://")
     messages = [{"role": "user", "content": "Hello"}]
     with pytest.raises(openai.AuthenticationError) as info:
@@ -233,9 +234,8 @@ def test_openai_client_needs_the_api_key(pki: Pki, secure_topology: tuple[str, s
     assert health.status == 200  # probes need no key
 
 
-def test_grpc_inference_api_needs_the_api_key(pki: Pki, secure_topology: tuple[str, str, str]
-                                              ) -> None:
-    _, address, model = secure_topology
+def test_grpc_inference_api_needs_the_api_key(pki: Pki, secure_topology: Topology) -> None:
+    address, model = secure_topology.grpc_address, secure_topology.model
     with _secure(address, pki, pki.client) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
@@ -249,3 +249,27 @@ def test_grpc_inference_api_needs_the_api_key(pki: Pki, secure_topology: tuple[s
             timeout=30, metadata=auth))
         assert sum(len(c.token_ids) for c in chunks) == 3
     _refused(_secure(address, pki, pki.rogue))
+
+
+def test_tandem_status_speaks_mtls_from_flags_or_the_environment(
+        pki: Pki, secure_topology: Topology) -> None:
+    """`tandem status` reaches the router's mTLS port with the services' TLS flags or TANDEM_TLS_*
+    variables, an API key from TANDEM_API_KEY riding along (the router checks none)."""
+    def status(*flags: str, environ: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(tandem_cmd("status", "--router-address",
+                                         secure_topology.router_address, "--json", *flags),
+                              cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **(environ or {})})
+
+    for reply in (status(environ=_tls_environ(pki) | {"TANDEM_API_KEY": API_KEY}),
+                  status("--tls-ca-file", str(pki.ca), "--tls-cert-file", str(pki.client[0]),
+                         "--tls-key-file", str(pki.client[1]), "--api-key", API_KEY)):
+        assert reply.returncode == 0, reply.stderr
+        (pool,) = json.loads(reply.stdout)["pools"]
+        assert [(w["worker_id"], w["candidate"]) for w in pool["workers"]] == [
+            (secure_topology.decode_addresses[0], True)]
+    # Plaintext, or TLS without a client certificate: refused, in one line.
+    for refused in (status(), status("--tls-ca-file", str(pki.ca))):
+        assert refused.returncode == 1 and refused.stdout == ""
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr

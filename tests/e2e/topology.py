@@ -9,8 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,24 +69,16 @@ class Topology:
 
 def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_encode: int = 0,
                    env: Mapping[str, str] | None = None) -> Topology:
-    """Runs `tandem up` on free ports and returns once it printed its READY line and (unless
-    `extra` has its own `--config`) the router takes every worker as a candidate; with
-    `num_prefill`, disaggregated (`--disagg`); with `num_encode`, an encode pool
-    (`--encode-ports`); `env` adds to the environment of every service."""
+    """Runs `tandem up` on free ports and returns once it printed its READY line (every service
+    serves and the router takes every worker as a candidate); with `num_prefill`,
+    disaggregated (`--disagg`); with `num_encode`, an encode pool (`--encode-ports`); `env`
+    adds to the environment of every service."""
     http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill + num_encode)
     decode, prefill = workers[:num_decode], workers[num_decode:num_decode + num_prefill]
     encode = workers[num_decode + num_prefill:]
     disagg = ["--disagg", "--prefill-ports", *map(str, prefill)] if prefill else []
     if encode:
         disagg += ["--encode-ports", *map(str, encode)]
-    pools = None if "--config" in extra else {
-        pool: n for pool, n in (("decode", num_decode), ("prefill", num_prefill),
-                                ("encode", num_encode)) if n}
-    if "--router-metrics-port" in extra:
-        metrics_port = int(extra[extra.index("--router-metrics-port") + 1])
-    elif pools is not None:
-        (metrics_port,) = free_ports(1)
-        extra = (*extra, "--router-metrics-port", str(metrics_port))
     argv = tandem_cmd("up", "--http-port", str(http), "--grpc-port", str(grpc_port),
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
                       "--grace-period-s", "5", *disagg, *extra)
@@ -98,34 +88,10 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
     fields = dict(item.split("=", 1) for item in ready.split()[1:])
     # Keep draining stdout so the launcher never blocks on a full pipe.
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
-    if pools is not None:
-        try:
-            wait_router_candidates(metrics_port, pools)
-        except BaseException:
-            proc.kill()
-            raise
     return Topology(proc, fields["http"], fields["grpc"], fields["model"], fields["tokenizer"],
                     [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}",
                     prefill_addresses=[f"127.0.0.1:{p}" for p in prefill],
                     encode_addresses=[f"127.0.0.1:{p}" for p in encode])
-
-
-def wait_router_candidates(port: int, want: Mapping[str, int],
-                           timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until the router's metrics (on `port`) count `want[pool]` candidates in each pool.
-    `tandem up` is ready once every service serves, the router as soon as one worker is a
-    candidate; it takes the others a moment later (their streams connected, after a back-off
-    if it tried before they listened)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        have = {pool: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                for pool in want if line.startswith(f'tandem_router_healthy_workers{{pool="{pool}"')}
-        if all(have.get(pool, 0) >= n for pool, n in want.items()):
-            return
-        assert time.monotonic() < deadline, f"router candidates {have}, want {dict(want)}"
-        time.sleep(0.05)
 
 
 def _read_ready_line(proc: subprocess.Popen[str]) -> str:

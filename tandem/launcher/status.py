@@ -1,0 +1,114 @@
+"""`tandem status`: every pool and worker as a router sees them (Router.ListWorkers), as a table
+for an operator or as JSON for scripts."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.errors import TandemError
+from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
+from tandem.runtime import config as config_lib
+from tandem.runtime.router_status import RouterStatusClient
+from tandem.runtime.tls import TlsConfig
+
+
+@dataclass(frozen=True)
+class StatusConfig:
+    # == network ==
+    #: The router's gRPC address, host:port.
+    router_address: str = "127.0.0.1:9100"
+    #: Longest wait for the router's answer, seconds.
+    timeout_s: float = field(default=10.0, metadata={"env": False})
+    # == general ==
+    #: Print JSON (the ListWorkers answer) instead of a table.
+    json: bool = field(default=False, metadata={"env": False})
+    # == security ==
+    #: Sent as 'authorization: Bearer <key>' metadata (for a router behind a gateway that
+    #: checks keys; the router itself checks none).
+    api_key: str = field(default="", metadata={"secret": True})
+    #: The services' TLS flags: --tls-ca-file alone verifies the router (TLS); with
+    #: --tls-cert-file and --tls-key-file the client presents a certificate (mTLS).
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+
+_COLUMNS = ("POOL", "KIND", "WORKER", "ADDRESS", "CANDIDATE", "IN-FLIGHT", "KV USED/TOTAL",
+            "RUN/WAIT", "REPORTED", "WHY NOT A CANDIDATE")
+
+
+def _kv(w: WorkerSnapshot) -> str:
+    load = w.last_load
+    if load is None:
+        return "-"
+    percent = f" ({100 * load.kv_blocks_used / load.kv_blocks_total:.0f}%)" \
+        if load.kv_blocks_total else ""
+    return f"{load.kv_blocks_used}/{load.kv_blocks_total}{percent}"
+
+
+def _row(pool: PoolSnapshot, w: WorkerSnapshot) -> tuple[str, ...]:
+    load = w.last_load
+    return (pool.name, pool.kind, w.worker_id, w.address, "yes" if w.candidate else "no",
+            str(w.in_flight_requests), _kv(w),
+            f"{load.num_running}/{load.num_waiting}" if load else "-",
+            f"{w.last_load_age_s:.1f}s ago" if w.last_load_age_s is not None else "never",
+            w.reason)
+
+
+def format_table(address: str, pools: Sequence[PoolSnapshot]) -> str:
+    """One line per worker under a summary line; REPORTED is the age of the load the worker
+    last sent on its event stream."""
+    rows = [_row(pool, w) for pool in pools for w in pool.workers]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
+    candidates = sum(r[4] == "yes" for r in rows)
+    lines = [f"router {address}: {len(pools)} pool(s), {len(rows)} worker(s), "
+             f"{candidates} candidate(s)"]
+    for r in (_COLUMNS, *rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def format_json(address: str, pools: Sequence[PoolSnapshot]) -> str:
+    return json.dumps({"router": address,
+                       "pools": [_plain(dataclasses.asdict(p)) for p in pools]}, indent=2)
+
+
+async def fetch(config: StatusConfig) -> list[PoolSnapshot]:
+    async with RouterStatusClient(config.router_address, config.tls, config.api_key,
+                                  ca_only_tls=True) as client:
+        return await client.list_workers(config.timeout_s)
+
+
+def main(argv: Sequence[str]) -> int:
+    config = config_lib.load(StatusConfig, argv, prog="tandem status",
+                             description="Show every pool and worker of a Tandem router: "
+                                         "routing candidate or not (and why), load, KV usage.")
+    try:
+        pools = asyncio.run(fetch(config))
+    except TandemError as exc:
+        message = " ".join(exc.message.split())  # one line, whatever gRPC said
+        if config.router_address not in message:
+            message = f"router {config.router_address}: {message}"
+        print(f"tandem status: {message}", file=sys.stderr)
+        return 1
+    formatted = format_json if config.json else format_table
+    try:
+        print(formatted(config.router_address, pools), flush=True)
+    except BrokenPipeError:  # `tandem status | head`: the reader took what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
