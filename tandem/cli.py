@@ -1,56 +1,147 @@
-"""The `tandem` command: `tandem serve <stage> [flags]` runs one service, `tandem up` a topology."""
+"""The `tandem` command: `tandem up` runs a topology, `tandem serve <stage>` one service,
+`tandem status` asks the router how its workers are."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.metadata
+import os
+import pathlib
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from tandem.errors import TandemError
 
-# stage -> (module, function taking the remaining argv); imported lazily per stage.
-_SERVE: dict[str, tuple[str, str]] = {
-    "frontend": ("services.frontend.main", "main"),
-    "router": ("services.router.main", "main"),
-    "decode": ("services.common.worker_main", "main"),
-    "prefill": ("services.common.worker_main", "main"),
-    "encode": ("services.common.worker_main", "main"),
+# stage -> (module, function taking the remaining argv, one line for help); imported lazily.
+_SERVE: dict[str, tuple[str, str, str]] = {
+    "frontend": ("services.frontend.main", "main",
+                 "the OpenAI REST and public gRPC APIs: tokenizes, routes, streams"),
+    "router": ("services.router.main", "main",
+               "picks pools (SLA grid) and workers (KV-aware, load) for each request"),
+    "prefill": ("services.common.worker_main", "main",
+                "runs prompts and hands their KV cache to decode workers over NIXL"),
+    "decode": ("services.common.worker_main", "main",
+               "generates tokens (prefilling itself in aggregated mode)"),
+    "encode": ("services.common.worker_main", "main",
+               "turns images into embeddings (vision tower and projector)"),
 }
 _WORKER_STAGES = {"decode", "prefill", "encode"}
-_USAGE = """usage: tandem serve <frontend|router|prefill|decode|encode> [flags]
-       tandem up [--config FILE] [--engine mock] [--model PATH] [engine flags]
-       tandem demo-model            (prints the demo model directory, creating it if needed)
-       tandem check-engine --engine trtllm --model PATH [engine flags]
-                                    (aggregated vs disaggregated tokens on a real engine)
-Each command takes --help."""
+#: File a command writes its one-line reason to when it fails (unset: none).
+TERMINATION_LOG_ENV = "TANDEM_TERMINATION_LOG"
+
+
+def _up(args: list[str]) -> int:
+    from tandem.launcher.up import main as up_main
+    up_main(args)
+    return 0
+
+
+def _status(args: list[str]) -> int:
+    from tandem.launcher.status import main as status_main
+    return status_main(args)
+
+
+def _check_engine(args: list[str]) -> int:
+    from tandem.engines.trtllm.check import main as check_main
+    return check_main(args)
+
+
+def _demo_model(args: list[str]) -> int:
+    if args:
+        print("usage: tandem demo-model\n\nPrints the demo model's directory, creating it "
+              "if needed.", file=sys.stderr)
+        return 0 if args[0] in ("-h", "--help") else 2
+    from tandem.model.demo import ensure_demo_model
+    print(ensure_demo_model())
+    return 0
+
+
+def _serve(args: list[str]) -> int:
+    if not args or args[0] not in _SERVE:
+        print(_serve_usage(), file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    stage, rest = args[0], args[1:]
+    module, func, _ = _SERVE[stage]
+    entry = getattr(importlib.import_module(module), func)
+    entry(stage, rest) if stage in _WORKER_STAGES else entry(rest)
+    return 0
+
+
+# command -> (what runs it, one line for `tandem --help`)
+_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "up": (_up, "start a whole topology here as processes; READY once every worker serves"),
+    "serve": (_serve, "run one service: " + ", ".join(_SERVE)),
+    "status": (_status, "the router's workers: candidate or not (and why), load, KV use"),
+    "demo-model": (_demo_model, "print the demo model's directory, creating it if needed"),
+    "check-engine": (_check_engine, "aggregated vs disaggregated tokens on a real engine"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tandem <command> [flags]", "",
+             "Tandem: disaggregated LLM serving as gRPC services.", "", "commands:"]
+    lines += [f"  {name:<14}{line}" for name, (_, line) in _COMMANDS.items()]
+    lines += ["", "Each command takes --help; `tandem serve <stage> --help` lists a service's",
+              "flags by concern.", f"tandem {_version()}"]
+    return "\n".join(lines)
+
+
+def _serve_usage() -> str:
+    lines = ["usage: tandem serve <stage> [flags]", "", "stages:"]
+    lines += [f"  {name:<10}{line}" for name, (_, _, line) in _SERVE.items()]
+    lines += ["", "`tandem serve <stage> --help` lists the stage's flags."]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        _dispatch(list(sys.argv[1:] if argv is None else argv))
+        code = _dispatch(args)
     except TandemError as exc:  # bad flags or config: a message, not a traceback
-        print(f"tandem: error: {exc.message}", file=sys.stderr)
-        sys.exit(2)
+        _fail(_command(args), exc.message, 2)
+    except Exception as exc:  # a crash: the traceback for its developer, a line for the operator
+        traceback.print_exc()
+        _fail(_command(args), f"{type(exc).__name__}: {exc}", 1)
+    if code:
+        sys.exit(code)
 
 
-def _dispatch(args: list[str]) -> None:
+def _command(args: list[str]) -> str:
+    """`tandem serve decode`, `tandem up`: who is failing, for its error line."""
+    words = args[:2] if args[:1] == ["serve"] and args[1:2] and args[1] in _SERVE else args[:1]
+    return " ".join(["tandem", *(w for w in words if not w.startswith("-"))])
+
+
+def _fail(command: str, reason: str, code: int) -> NoReturn:
+    """Says why in one line, on stderr and in $TANDEM_TERMINATION_LOG when set (as Kubernetes'
+    terminationMessagePath: `tandem up` repeats that line for a service that did not start)."""
+    line = " ".join(reason.split())
+    print(f"{command}: error: {line}", file=sys.stderr, flush=True)
+    if path := os.environ.get(TERMINATION_LOG_ENV):
+        with contextlib.suppress(OSError):
+            pathlib.Path(path).write_text(line + "\n")
+    sys.exit(code)
+
+
+def _dispatch(args: list[str]) -> int:
     command = args[0] if args else ""
-    if command == "serve" and len(args) > 1 and args[1] in _SERVE:
-        stage, rest = args[1], args[2:]
-        module, func = _SERVE[stage]
-        entry = getattr(importlib.import_module(module), func)
-        entry(stage, rest) if stage in _WORKER_STAGES else entry(rest)
-    elif command == "up":
-        from tandem.launcher.up import main as up_main
-        up_main(args[1:])
-    elif command == "check-engine":
-        from tandem.engines.trtllm.check import main as check_main
-        sys.exit(check_main(args[1:]))
-    elif command == "demo-model":
-        from tandem.model.demo import ensure_demo_model
-        print(ensure_demo_model())
-    else:
-        print(_USAGE, file=sys.stderr)
-        sys.exit(0 if command in ("-h", "--help") else 2)
+    if command in _COMMANDS:
+        run, _ = _COMMANDS[command]
+        return run(args[1:])
+    if command == "--version":
+        print(f"tandem {_version()}")
+        return 0
+    print(_usage(), file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
+    return 0 if command in ("-h", "--help") else 2
 
 
 if __name__ == "__main__":

@@ -34,33 +34,39 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FrontendConfig:
+    # == network ==
+    #: Address the HTTP and gRPC ports bind to (0.0.0.0: every interface).
     host: str = "127.0.0.1"
     #: OpenAI REST API port.
     http_port: int = 8000
     #: Public gRPC Inference API port.
     grpc_port: int = 8001
-    #: Plain-HTTP port that serves only /metrics, for scrapers that should not reach the API
-    #: (or its TLS); 0: none. The OpenAI port serves /metrics too.
-    metrics_port: int = 0
-    router_address: str = "127.0.0.1:9100"
-    #: Model directory (tokenizer and config.json); empty: the generated demo model.
-    model: str = ""
-    #: Name clients pass as `model`; default: the model directory's name.
-    served_model_name: str = ""
-    #: Context length; 0: the model's max_position_embeddings.
-    max_seq_len: int = 0
-    #: Largest accepted HTTP request body, bytes.
+    #: Largest accepted HTTP request body, bytes (more: 413).
     max_request_bytes: int = 32 * 1024 * 1024
-    #: Most messages in one chat request (more: 400).
-    max_messages: int = 1000
     #: Largest gRPC message the public gRPC port accepts or sends, bytes.
     max_message_bytes: int = 64 * 1024 * 1024
-    #: API keys clients must send (`Authorization: Bearer <key>`); with --api-keys-file and
-    #: $TANDEM_API_KEYS (all three together). None anywhere: no authentication.
-    api_keys: list[str] = field(default_factory=list,
-                                metadata={"secret": True, "env": False})
-    #: File of API keys, one per line ('#' starts a comment line).
-    api_keys_file: str = ""
+    # == model and engine ==
+    #: Model directory (tokenizer and config.json); unset: the generated demo model.
+    model: str = ""
+    #: Name clients pass as `model`; unset: the model directory's name.
+    served_model_name: str = ""
+    #: Context length, tokens; 0: the model's max_position_embeddings.
+    max_seq_len: int = 0
+    #: Most messages in one chat request (more: 400).
+    max_messages: int = 1000
+    # == routing ==
+    #: The router's gRPC address, host:port.
+    router_address: str = "127.0.0.1:9100"
+    #: Longest wait for the router's answer, seconds.
+    router_timeout_s: float = 10.0
+    #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
+    #: prompts with images for the router, which must match the workers' hashes.
+    kv_block_size: int = 32
+    # == disaggregation ==
+    #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
+    #: not cached on the decode worker is at most this many tokens skip the prefill worker.
+    max_local_prefill_length: int = 0
+    # == reliability ==
     #: Admission control: most requests sent on to workers at once; 0: no limit.
     max_inflight_requests: int = 4096
     #: Most requests waiting for one of those slots (first come, first served); past it the
@@ -68,25 +74,34 @@ class FrontendConfig:
     max_queued_requests: int = 4096
     #: Longest a request may take end to end, seconds (then 504 / DEADLINE_EXCEEDED); 0: none.
     request_timeout_s: float = 0.0
-    #: Longest wait for the router's answer, seconds.
-    router_timeout_s: float = 10.0
-    #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
-    #: not cached on the decode worker is at most this many tokens skip the prefill worker.
-    max_local_prefill_length: int = 0
     #: Times a request whose decode stream broke (worker died, stream failed) moves to another
     #: decode worker, resuming after the tokens it already has; 0: never (the client gets the
     #: error).
     migration_limit: int = 2
-    #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
-    #: prompts with images for the router, which must match the workers' hashes.
-    kv_block_size: int = 32
+    #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    grace_period_s: float = 30.0
+    # == multimodal ==
     #: Limits on images in requests (--max-file-size-mb, --media-fetch-timeout-s,
     #: --max-media-redirects, --allowed-local-media-path, --allowed-media-networks).
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
-    grace_period_s: float = 30.0
-    log_level: str = "info"
+    # == security ==
+    #: API keys clients must send (`Authorization: Bearer <key>`); with --api-keys-file and
+    #: $TANDEM_API_KEYS (all three together). None anywhere: no authentication.
+    api_keys: list[str] = field(default_factory=list,
+                                metadata={"secret": True, "env": False})
+    #: File of API keys, one per line ('#' starts a comment line).
+    api_keys_file: str = ""
     #: TLS on the HTTP and gRPC ports, TLS/mTLS on the channels to router and workers (--tls-*).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # == observability ==
+    #: Plain-HTTP port that serves only /metrics, for scrapers that should not reach the API
+    #: (or its TLS); 0: none. The OpenAI port serves /metrics too.
+    metrics_port: int = 0
+    #: Least severe log level written: debug, info, warning or error.
+    log_level: str = "info"
+    #: Log format: text (one line per event, for a person), json (one object per line, for
+    #: collectors) or auto (text when stderr is a terminal, else json).
+    log_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -139,9 +154,9 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
 
 
 async def serve(config: FrontendConfig) -> None:
-    logs.setup("frontend", config.log_level)
+    logs.setup("frontend", config.log_level, config.log_format)
     tracing.setup("frontend")
-    log.info("config", extra={"config": config_lib.as_dict(config)})
+    logs.log_config(log, config_lib.as_dict(config))
     api_keys = ApiKeys.load(config.api_keys, config.api_keys_file)
     ssl_context = http_ssl_context(config.tls)
     log.info("security", extra={"api_keys": api_keys.num_keys, "tls": config.tls.enabled,

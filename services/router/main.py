@@ -83,9 +83,9 @@ class Membership:
 
 
 async def serve(config: RouterConfig) -> None:
-    logs.setup("router", config.log_level)
+    logs.setup("router", config.log_level, config.log_format)
     tracing.setup("router")
-    log.info("config", extra={"config": config_lib.as_dict(config)})
+    logs.log_config(log, config_lib.as_dict(config))
     router = build_router(config)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s,
                                         config.max_message_bytes, config.tls),

@@ -7,51 +7,63 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class EngineArgs:
-    #: Model directory (config.json and tokenizer files; weights where the backend needs them).
+    # == model and engine ==
+    #: Model directory (config.json and tokenizer files; weights where the backend needs them);
+    #: unset: the generated demo model.
     model: str = ""
-    #: Tokens per KV block.
-    kv_block_size: int = field(default=32, metadata={"flag": "--kv-block-size"})
+    #: Reference engine: auto (CUDA when available), cpu, cuda or cuda:N.
+    device: str = "auto"
+    #: Reference engine: auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, float16
+    #: or bfloat16.
+    dtype: str = "auto"
+    #: Reference engine: auto reads the weights; dummy draws random ones of the same shape
+    #: (performance work without a checkpoint).
+    load_format: str = "auto"
+    #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
+    enforce_eager: bool = False
+    #: Seed for engine-chosen randomness (requests without a seed, dummy weights).
+    seed: int = 0
+    # == batching and scheduling ==
     #: Most requests in one engine step.
     max_batch_size: int = 256
     #: Most tokens (prefill chunks + decode tokens) in one engine step.
     max_num_tokens: int = 8192
-    #: Longest prompt + output; 0 means the model's max_position_embeddings.
+    #: Longest prompt + output, tokens; 0: the model's max_position_embeddings.
     max_seq_len: int = 0
     #: Most requests admitted but not yet running; past it new requests get RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
+    # == KV cache ==
+    #: Tokens per KV block (the router's and frontend's block size must match).
+    kv_block_size: int = field(default=32, metadata={"flag": "--kv-block-size"})
     #: KV pool size in blocks; 0: derived (reference: from the memory budget below; mock: 16384).
     num_gpu_blocks: int = field(default=0, metadata={"flag": "--num-gpu-blocks-override"})
-    #: Reference engine on CUDA: fraction of the GPU memory free after loading the weights that
-    #: the KV pool takes.
+    #: Reference engine on CUDA: fraction (0-1) of the GPU memory free after loading the
+    #: weights that the KV pool takes.
     free_gpu_memory_fraction: float = 0.9
     #: Reference engine on CPU: bytes the KV pool takes.
     kv_cache_cpu_bytes: int = 512 * 1024 * 1024
-    #: Reference engine: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
-    device: str = "auto"
-    #: Reference engine: "auto" (the checkpoint's dtype on CUDA, float32 on CPU), "float32",
-    #: "float16" or "bfloat16".
-    dtype: str = "auto"
-    #: Reference engine: "auto" reads the weights; "dummy" makes random ones of the same shape.
-    load_format: str = "auto"
-    #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
-    enforce_eager: bool = False
-    #: Mock engine: divide simulated step times by this; 0 or >= 1e6 means no delay.
-    speedup_ratio: float = 1.0
-    #: Mock engine: simulated KV transfer bandwidth between workers, GB/s (0: instant).
-    mock_kv_transfer_gbps: float = 25.0
-    #: Disaggregated decode: what to do when reading a prefill worker's KV fails or its lease
-    #: expired: "recompute" (prefill locally) or "fail" (end the request with an error).
-    kv_load_failure_policy: str = "recompute"
-    #: Record a checksum of every leased and every received KV transfer (worker Stats RPC).
-    debug_kv_checksums: bool = False
     #: Reuse cached KV blocks across requests with the same prefix.
     enable_prefix_caching: bool = True
+    # == multimodal ==
     #: Reference engine, vision-language models: bytes of image embeddings kept by content hash
     #: so that a repeated image skips the vision encoder (0: no cache).
     encoder_cache_bytes: int = 256 * 1024 * 1024
-    #: Seed for engine-chosen randomness.
-    seed: int = 0
-    # ---- TensorRT-LLM engine (flag names follow Dynamo's TensorRT-LLM worker) ----------------
+    #: TensorRT-LLM: load only the multimodal encoder (MultimodalEncoder), for encode workers.
+    encode_only: bool = False
+    # == disaggregation ==
+    #: Decode side: what to do when reading a prefill worker's KV fails or its lease expired:
+    #: recompute (prefill locally) or fail (end the request with an error).
+    kv_load_failure_policy: str = "recompute"
+    # == testing ==
+    #: Record a checksum of every leased and every received KV transfer (Worker.Stats RPC);
+    #: costs a pass over the bytes.
+    debug_kv_checksums: bool = False
+    # == mock engine ==
+    #: Mock engine: divide simulated step times by this ratio; 0 or >= 1e6: no delay.
+    speedup_ratio: float = 1.0
+    #: Mock engine: simulated KV transfer bandwidth between workers, GB/s (0: instant).
+    mock_kv_transfer_gbps: float = 25.0
+    # == TensorRT-LLM engine ==
     #: TensorRT-LLM: GPUs per tensor-parallel group.
     tensor_parallel_size: int = 1
     #: TensorRT-LLM: pipeline-parallel stages.
@@ -67,5 +79,3 @@ class EngineArgs:
     extra_engine_args: str = ""
     #: TensorRT-LLM: a JSON object of LLM API options merged last (over the YAML file).
     override_engine_args: str = ""
-    #: TensorRT-LLM: load only the multimodal encoder (MultimodalEncoder), for encode workers.
-    encode_only: bool = False

@@ -35,67 +35,86 @@ class DeploymentPool:
 
 @dataclass(frozen=True)
 class Deployment:
+    # == network ==
+    #: Address every service binds to and is reached at.
     host: str = "127.0.0.1"
-    #: Engine backend of every worker: "reference" (PyTorch, real inference) or "mock" (no model
-    #: compute, simulated timing: for load tests of the serving stack).
-    engine: str = "reference"
-    #: Name clients pass as `model`; default: the model directory's name.
-    served_model_name: str = ""
     #: Frontend OpenAI REST port.
     http_port: int = 8000
     #: Frontend public gRPC Inference port.
     grpc_port: int = 8001
+    #: Router gRPC port.
     router_port: int = 9100
     #: One decode (aggregated) worker per port, in one pool (used when `pools` is empty).
     decode_ports: list[int] = field(default_factory=lambda: [9200])
-    #: The router's policy for that pool.
+    # == model and engine ==
+    #: Engine backend of every worker: reference (PyTorch, real inference) or mock (no model
+    #: compute, simulated timing: for load tests of the serving stack).
+    engine: str = "reference"
+    #: Name clients pass as `model`; unset: the model directory's name.
+    served_model_name: str = ""
+    # == routing ==
+    #: The router's policy for the decode pool: round_robin, random, least_loaded,
+    #: power_of_two or kv.
     router_policy: str = "round_robin"
+    #: Several pools (YAML only); replaces decode_ports / router_policy.
+    pools: list[DeploymentPool] = field(default_factory=list)
+    #: Dynamo global-router JSON file with the SLA grid over `pools` (passed to the router).
+    grid_config: str = ""
+    # == disaggregation ==
     #: Disaggregated serving: also run one prefill worker per `prefill_ports` entry, in a
     #: prefill pool; decode workers read the prompt's KV from them over NIXL.
     disagg: bool = False
+    #: Prefill worker ports, one worker per port (with --disagg).
     prefill_ports: list[int] = field(default_factory=lambda: [9300])
+    #: Frontend: prompts whose uncached part is at most this many tokens skip the prefill
+    #: worker (conditional disaggregation), tokens.
+    max_local_prefill_length: int = 0
+    # == multimodal ==
     #: One encode worker (vision tower and projector of a vision-language model) per port, in
-    #: an encode pool; requests with images are encoded there. Empty: the prefill (or
+    #: an encode pool; requests with images are encoded there. None: the prefill (or
     #: aggregated) worker encodes images itself.
     encode_ports: list[int] = field(default_factory=list)
-    #: Frontend: prompts whose uncached part is at most this many tokens skip the prefill
-    #: worker (conditional disaggregation).
-    max_local_prefill_length: int = 0
-    #: Several pools (YAML only); replaces decode_ports / router_policy.
-    pools: list[DeploymentPool] = field(default_factory=list)
-    #: Dynamo global-router JSON with the SLA grid over `pools` (passed to the router).
-    grid_config: str = ""
-    #: Router's Prometheus /metrics port; 0: none.
-    router_metrics_port: int = 0
-    #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too); 0: none.
-    frontend_metrics_port: int = 0
-    #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
-    #: listed; without `pools`: the decode, then the prefill, then the encode workers); empty:
-    #: none.
-    worker_metrics_ports: list[int] = field(default_factory=list)
     #: Frontend: limits on images in requests (--max-file-size-mb, --allowed-local-media-path,
     #: --allowed-media-networks, ...).
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+    # == reliability ==
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
     #: Frontend: longest a request may take end to end, seconds (then 504); 0: no limit.
     request_timeout_s: float = 0.0
     #: Frontend: times a request whose decode stream broke moves to another decode worker.
     migration_limit: int = 2
-    #: Frontend admission control: requests sent on to workers at once, and requests waiting
-    #: for one of those slots; past both, 429 with Retry-After. 0: no limit.
+    #: Frontend admission control: requests sent on to workers at once; 0: no limit.
     frontend_max_inflight_requests: int = 4096
+    #: Frontend admission control: requests waiting for one of those slots; past it, 429 with
+    #: Retry-After; 0: no limit.
     frontend_max_queued_requests: int = 4096
     #: Workers: health that proves progress (--progress-timeout-s, --canary-interval-s, ...).
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    # == observability ==
+    #: Router's Prometheus /metrics port; 0: none.
+    router_metrics_port: int = 0
+    #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too); 0: none.
+    frontend_metrics_port: int = 0
+    #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
+    #: listed; without `pools`: the decode, then the prefill, then the encode workers); none:
+    #: no worker metrics port.
+    worker_metrics_ports: list[int] = field(default_factory=list)
+    #: Least severe log level every service writes: debug, info, warning or error.
+    log_level: str = "info"
+    #: Log format of every service: text (one line per event, for a person), json (one object
+    #: per line, for collectors) or auto (text when stderr is a terminal, else json).
+    log_format: str = "auto"
+    # == testing ==
     #: Workers: fault-test hooks (SIGUSR1 pauses the engine's step loop, SIGUSR2 resumes it).
     debug_hooks: bool = False
-    #: Frontend: API keys (--api-keys; $TANDEM_API_KEYS reaches it through the environment).
+    # == security ==
+    #: Frontend: API keys clients must send (--api-keys; $TANDEM_API_KEYS reaches the frontend
+    #: through the environment).
     api_keys: list[str] = field(default_factory=list,
                                 metadata={"secret": True, "env": False})
     #: Frontend: file of API keys, one per line.
     api_keys_file: str = ""
-    log_level: str = "info"
     #: TLS/mTLS of every service (--tls-cert-file, --tls-key-file, --tls-ca-file,
     #: --tls-require-client-cert, --tls-server-name), passed to each one.
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -152,7 +171,7 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     """The processes in start order (workers, router, frontend); stop in reverse. The router's
     config file is written into `workdir`."""
     common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level,
-              *config_lib.to_argv(d.tls)]
+              "--log-format", d.log_format, *config_lib.to_argv(d.tls)]
     model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
     engine_flags = config_lib.to_argv(d.engine_args)
     worker_flags = [*config_lib.to_argv(d.watchdog), *(["--debug-hooks"] if d.debug_hooks else [])]

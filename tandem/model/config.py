@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from tandem.errors import InvalidRequest
 
+_REQUIRED = ("num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -28,8 +30,17 @@ class ModelConfig:
         config_file = root / "config.json"
         if not config_file.is_file():
             raise InvalidRequest(f"model directory {root} has no config.json", param="model")
-        raw = json.loads(config_file.read_text())
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{config_file} is not JSON: {exc}", param="model") from None
         text = raw.get("text_config", raw)  # LLaVA-style configs nest the language model
+        missing = [key for key in _REQUIRED if key not in text]
+        if missing:
+            raise InvalidRequest(
+                f"{config_file} lacks {', '.join(missing)} (architecture "
+                f"{(raw.get('architectures') or ['unknown'])[0]}; supported: decoder-only "
+                "Llama-style models)", param="model")
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
         return cls(

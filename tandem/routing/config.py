@@ -33,17 +33,24 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
+    # == network ==
+    #: Address the router's gRPC port binds to (0.0.0.0: every interface).
     host: str = "127.0.0.1"
+    #: The router's gRPC port (Router API, health, reflection).
     port: int = 9100
-    #: Shorthand for one decode pool of these addresses (used when `pools` is empty).
+    #: Largest gRPC message the router's port accepts or sends, bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
+    # == routing ==
+    #: Shorthand for one decode pool of these worker addresses, host:port (used when `pools`
+    #: is empty).
     decode_workers: list[str] = field(default_factory=list)
-    #: Policy of that shorthand pool.
+    #: Policy of that shorthand pool: round_robin, random, least_loaded, power_of_two or kv.
     policy: str = "round_robin"
     #: Pools (YAML only); the grid's pool indices count prefill, decode and agg pools each in
     #: the order they are listed here.
     pools: list[PoolConfig] = field(default_factory=list)
-    #: Dynamo global-router JSON file with the SLA grid; empty: the first pool serves everything,
-    #: the others are its retry order.
+    #: Dynamo global-router JSON file with the SLA grid; unset: the first pool serves
+    #: everything, the others are its retry order.
     grid_config: str = ""
     #: Tokens per KV block: the workers' --kv-block-size (prefix hashes must match theirs).
     block_size: int = 32
@@ -51,12 +58,18 @@ class RouterConfig:
     typical_osl: int = 1024
     #: Seconds between DNS re-resolutions of `dns` pools.
     dns_refresh_s: float = 10.0
+    # == reliability ==
+    #: Seconds in-flight calls get to finish after SIGTERM.
+    grace_period_s: float = 30.0
+    # == observability ==
     #: Port of the Prometheus /metrics endpoint; 0: none.
     metrics_port: int = 0
-    grace_period_s: float = 30.0
-    #: Largest gRPC message the router's port accepts or sends, bytes.
-    max_message_bytes: int = 64 * 1024 * 1024
+    #: Least severe log level written: debug, info, warning or error.
     log_level: str = "info"
+    #: Log format: text (one line per event, for a person), json (one object per line, for
+    #: collectors) or auto (text when stderr is a terminal, else json).
+    log_format: str = "auto"
+    # == security ==
     #: TLS/mTLS on the router's port and on its channels to workers (--tls-*).
     tls: TlsConfig = field(default_factory=TlsConfig)
 

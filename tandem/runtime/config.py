@@ -27,10 +27,13 @@ from typing import Any, TypeVar
 import yaml
 
 from tandem.errors import InvalidRequest
+from tandem.runtime import flag_help
 
 T = TypeVar("T")
 _SCALARS = (str, int, float, bool)
 ENV_PREFIX = "TANDEM_"
+_EPILOG = ("Each value comes from, last one winning: its default, the --config file, its "
+           "TANDEM_* environment variable, the flag.")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -62,21 +65,26 @@ def _scalar_type(tp: Any) -> Any:
     return tp
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str = "") -> None:
-    """Adds one flag per leaf field of `cls` (recursing into nested dataclasses)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str = "",
+                  group: str = "") -> None:
+    """Adds one flag per leaf field of `cls` (recursing into nested dataclasses), each under
+    its section of --help (tandem.runtime.flag_help)."""
+    sections = _help_sections(parser)
+    docs = flag_help.field_help(cls)
     for f, tp in _fields(cls):
         dest = dest_prefix + f.name
+        doc = docs.get(f.name)
+        field_group = f.metadata.get("group") or (doc.group if doc else "") or group
         if _is_config_class(tp):
-            add_arguments(parser, tp, dest + ".")
+            add_arguments(parser, tp, dest + ".", field_group)
             continue
-        var = env_var(f)
-        help_text = f.metadata.get("help")
-        if var:
-            help_text = f"{help_text} [env {var}]" if help_text else f"[env {var}]"
-        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
         base = _scalar_type(tp)
         if _is_list_of_configs(base):
             continue  # structured lists come from the YAML file only
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
+                                  "help": flag_help.flag_help(f, doc, env_var(f))}
+        if base is not bool:
+            kwargs["metavar"] = f.name.upper()
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) in (list, tuple):
@@ -84,7 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, dest_prefix: str =
             kwargs["type"] = typing.get_args(base)[0]
         else:
             kwargs["type"] = base
-        parser.add_argument(_flag(f), **kwargs)
+        sections[field_group or "general"].add_argument(_flag(f), **kwargs)
+
+
+def _help_sections(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """One argument group per flag_help.GROUPS entry, made once per parser in display order
+    (argparse leaves empty groups out of --help)."""
+    existing = {g.title: g for g in parser._action_groups}
+    return {name: existing.get(name) or parser.add_argument_group(name)
+            for name in flag_help.GROUPS}
 
 
 def from_environ(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
@@ -191,6 +207,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
+    """The command line of `cls`: --config, then one flag per leaf field, by section."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=_EPILOG,
+                                     usage="%(prog)s [--config FILE] [flags]")
+    parser.add_argument("--config", type=pathlib.Path, default=None, metavar="FILE",
+                        help="YAML file of config values, keys named as the flags with "
+                             "underscores (TANDEM_* variables and flags override it)")
+    add_arguments(parser, cls)
+    return parser
+
+
 def load(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "",
          environ: Mapping[str, str] | None = None) -> T:
     """Parses argv (with an optional `--config FILE.yaml`) and the TANDEM_* variables of
@@ -203,10 +230,7 @@ def load_known(cls: type[T], argv: Sequence[str] | None, prog: str, description:
                allow_extra: bool = True,
                environ: Mapping[str, str] | None = None) -> tuple[T, list[str]]:
     """Like `load`, but returns the arguments `cls` does not know instead of failing on them."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", type=pathlib.Path, default=None,
-                        help="YAML file of config values (flags override it)")
-    add_arguments(parser, cls)
+    parser = build_parser(cls, prog, description)
     if allow_extra:
         parsed, extra = parser.parse_known_args(argv)
     else:

@@ -26,23 +26,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TlsConfig:
-    cert_file: str = field(default="", metadata={
-        "flag": "--tls-cert-file",
-        "help": "PEM certificate chain this service presents; turns TLS on for its ports and "
-                "for the gRPC channels it opens"})
-    key_file: str = field(default="", metadata={
-        "flag": "--tls-key-file", "help": "PEM private key of --tls-cert-file"})
-    ca_file: str = field(default="", metadata={
-        "flag": "--tls-ca-file",
-        "help": "PEM CA bundle that peers' certificates are verified against (default: the "
-                "system's roots)"})
-    require_client_cert: bool = field(default=False, metadata={
-        "flag": "--tls-require-client-cert",
-        "help": "mTLS: gRPC ports refuse clients without a certificate signed by --tls-ca-file"})
-    server_name: str = field(default="", metadata={
-        "flag": "--tls-server-name",
-        "help": "name to verify in peers' certificates instead of the host of their address "
-                "(one certificate shared by every pod)"})
+    # == security ==
+    #: PEM certificate chain this service presents; turns TLS on for its ports and for the
+    #: gRPC channels it opens.
+    cert_file: str = field(default="", metadata={"flag": "--tls-cert-file"})
+    #: PEM private key of --tls-cert-file.
+    key_file: str = field(default="", metadata={"flag": "--tls-key-file"})
+    #: PEM CA bundle that peers' certificates are verified against; unset: the system's roots.
+    ca_file: str = field(default="", metadata={"flag": "--tls-ca-file"})
+    #: mTLS: gRPC ports refuse clients without a certificate signed by --tls-ca-file.
+    require_client_cert: bool = field(default=False,
+                                      metadata={"flag": "--tls-require-client-cert"})
+    #: Name to verify in peers' certificates instead of the host of their address (one
+    #: certificate shared by every pod).
+    server_name: str = field(default="", metadata={"flag": "--tls-server-name"})
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):

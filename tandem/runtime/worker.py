@@ -63,13 +63,13 @@ def _install_debug_hooks(engine: Engine) -> None:
 async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddServicers,
                      service_names: list[str]) -> None:
     """Builds the engine and server for `stage`, serves until SIGTERM, then drains."""
-    logs.setup(f"{stage}", config.log_level)
+    logs.setup(stage, config.log_level, config.log_format, instance=str(config.port))
     tracing.setup(stage)
     if not config.engine_args.model:
         demo = ensure_demo_model()
         config = dataclasses.replace(
             config, engine_args=dataclasses.replace(config.engine_args, model=str(demo)))
-    log.info("config", extra={"config": config_lib.as_dict(config), "stage": stage})
+    logs.log_config(log, config_lib.as_dict(config), stage=stage)
     engine = create_engine(config.engine, config.engine_args)
     event_log = EventLog(config.kv_event_buffer)
     if config.publish_kv_events:

@@ -7,13 +7,12 @@ every prompt agrees. Tandem's CI runs it only against the fake TensorRT-LLM.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.base import Engine
@@ -21,6 +20,7 @@ from tandem.engines.registry import backend_names, create_engine
 from tandem.engines.stream import RequestStream
 from tandem.engines.trtllm.args import load_yaml, parse_override
 from tandem.engines.types import EngineRequest, SamplingParams
+from tandem.errors import InvalidRequest
 from tandem.runtime import config as config_lib
 
 
@@ -88,15 +88,29 @@ async def check_engine(name: str, args: EngineArgs, num_prompts: int = 4,
         await engine.close()
 
 
+@dataclass(frozen=True)
+class CheckConfig:
+    # == general ==
+    #: Engine backend to check, by registry name.
+    engine: str = "trtllm"
+    #: Prompts run both ways.
+    num_prompts: int = 4
+    #: Greedy tokens generated per prompt.
+    max_tokens: int = 16
+    #: Engine flags (sections model and engine, KV cache, ...).
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for `tandem check-engine` (engine flags are EngineArgs' flags)."""
-    args, rest = config_lib.load_known(EngineArgs, argv, prog="tandem check-engine")
-    parser = argparse.ArgumentParser(prog="tandem check-engine")
-    parser.add_argument("--engine", default="trtllm", choices=backend_names())
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    opts = parser.parse_args(rest)
-    rows = asyncio.run(check_engine(opts.engine, args, opts.num_prompts, opts.max_tokens))
+    """Entry point for `tandem check-engine`."""
+    opts = config_lib.load(CheckConfig, argv, prog="tandem check-engine",
+                           description="Run the same greedy prompts aggregated and "
+                                       "disaggregated on one engine and compare the tokens.")
+    if opts.engine not in backend_names():
+        raise InvalidRequest(f"--engine must be one of {', '.join(backend_names())}, "
+                             f"got '{opts.engine}'", param="engine")
+    rows = asyncio.run(check_engine(opts.engine, opts.engine_args, opts.num_prompts,
+                                    opts.max_tokens))
     print(f"{'prompt':>6} {'tokens':>6}  agreement")
     for i, row in enumerate(rows):
         where = next((j for j, (a, b) in enumerate(zip(row.aggregated, row.disaggregated))
