@@ -291,3 +291,15 @@ def test_k8s_runs_compose_gpu_topology(tmp_path: pathlib.Path) -> None:
         p["kind"] for p in compose_router["pools"])
     assert router.block_size == compose_router["block_size"]
     assert router.metrics_port == compose_router["metrics_port"]
+
+
+def test_a_failing_service_writes_its_reason_where_kubernetes_reads_it() -> None:
+    """`kubectl describe pod` shows the container's termination message: every service writes
+    its one-line failure reason ($TANDEM_TERMINATION_LOG) to the path Kubernetes reads."""
+    deployments = of_kind("Deployment")
+    assert deployments
+    for name, deployment in deployments.items():
+        spec = container(deployment)
+        env = {e["name"]: e.get("value") for e in spec.get("env", [])}
+        read_from = spec.get("terminationMessagePath", "/dev/termination-log")
+        assert env.get("TANDEM_TERMINATION_LOG") == read_from, name
