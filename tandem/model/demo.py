@@ -1,15 +1,18 @@
-"""The demo model: a tiny Llama-architecture model directory that Tandem generates on first use.
+"""The demo model: a tiny Llama-architecture model directory that Tandem installs on first use.
 
 `make up` and the tests need a real Hugging Face model directory without downloading anything. This
 module writes one: a byte-level BPE tokenizer trained on a bundled English corpus
-(`demo_corpus.txt`), a ChatML chat template, and a tiny LlamaForCausalLM (config and float32
-`model.safetensors`, ~1.4 MB) with random weights drawn from `DemoSpec.seed`. The weights are not
-trained: the model writes fluent-looking nonsense at best. Every file is written deterministically,
-so two builds give identical bytes (with the same `tokenizers` and torch versions).
+(`demo_corpus.txt`), a ChatML chat template, and a tiny LlamaForCausalLM trained on the same
+corpus. The tokenizer and the weights are committed package data (`demo_weights/`, written by
+`python -m tandem.model.train_demo`, see there): training them again under other library versions
+could give another tokenizer that no longer matches the weights. The JSON configs are written from
+`DEMO_SPEC`. Every build gives identical bytes.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -20,10 +23,15 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-#: Bump whenever the generated files change: ensure_demo_model rebuilds copies of other versions.
-#: 2: random weights (model.safetensors).
-DEMO_FORMAT_VERSION = 2
+#: Bump whenever the generated files change: ensure_demo_model rebuilds copies of other versions
+#: (it also rebuilds when the committed files change: the marker records their digests).
+#: 2: random weights (model.safetensors). 3: trained weights and their tokenizer, committed.
+DEMO_FORMAT_VERSION = 3
 WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+#: The committed files, in the package directory ASSETS_DIR.
+ASSETS_DIR = "demo_weights"
+ASSET_FILES = (TOKENIZER_FILE, WEIGHTS_FILE)
 #: Written last; its presence with the expected content marks a complete, current demo model.
 MARKER_FILE = "tandem-demo.json"
 
@@ -61,21 +69,19 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True, slots=True)
 class DemoSpec:
-    """Shape of the demo model. The marker records it, so a changed spec triggers a rebuild."""
+    """Shape of the demo model; the committed weights must have it. The marker records it, so a
+    changed spec triggers a rebuild. The mock engine sizes its KV blocks from the same config, and
+    tests count on 2 layers x 2 KV heads x 16 dims (float32)."""
 
     vocab_size: int = 4096  # target for BPE training, special tokens included
-    hidden_size: int = 64
-    intermediate_size: int = 128
+    hidden_size: int = 96
+    intermediate_size: int = 384
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
+    num_attention_heads: int = 6
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    #: Std of the random matrices: ten times transformers' initializer_range. At 0.02 the logits
-    #: are near-uniform and greedy decoding only repeats the prompt's last token.
-    weight_std: float = 0.2
-    seed: int = 0  # of the random weights
 
 
 DEMO_SPEC = DemoSpec()
@@ -89,41 +95,46 @@ def default_demo_model_dir() -> pathlib.Path:
     return pathlib.Path(home).expanduser() / "models" / "tandem-demo"
 
 
-def create_demo_model(path: str | pathlib.Path, spec: DemoSpec = DEMO_SPEC) -> pathlib.Path:
+def create_demo_model(path: str | pathlib.Path) -> pathlib.Path:
     """Write the demo model into `path` (created if missing; existing files are overwritten).
 
     Not atomic: use ensure_demo_model where other processes may read the directory.
-    Returns the directory."""
+    Returns the directory. Raises RuntimeError if the committed files do not fit DEMO_SPEC."""
+    from tokenizers import Tokenizer
+
+    spec = DEMO_SPEC
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(spec)
-    _write_text(root / "tokenizer.json", tokenizer.to_str(pretty=True))
+    assets = {name: committed_file(name).read_bytes() for name in ASSET_FILES}
+    tokenizer = Tokenizer.from_str(assets[TOKENIZER_FILE].decode("utf-8"))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    _check_assets(spec, vocab_size, _safetensors_shapes(assets[WEIGHTS_FILE]))
+    ids = special_token_ids(tokenizer)
+    for name, data in assets.items():
+        (root / name).write_bytes(data)
     _write_json(root / "tokenizer_config.json", _tokenizer_config(spec))
-    _write_json(root / "config.json", _model_config(spec, vocab_size, ids))
+    _write_json(root / "config.json", model_config(spec, vocab_size, ids))
     _write_json(root / "generation_config.json", _generation_config(ids))
-    _write_weights(root / WEIGHTS_FILE, spec, vocab_size)
     _write_json(root / MARKER_FILE, _marker(spec))
     return root
 
 
-def ensure_demo_model(path: str | pathlib.Path | None = None,
-                      spec: DemoSpec = DEMO_SPEC) -> pathlib.Path:
+def ensure_demo_model(path: str | pathlib.Path | None = None) -> pathlib.Path:
     """Return a complete, current demo model directory, building it on first use.
 
     The build happens in a temporary directory beside the target and is renamed into place, so
     concurrent callers never see a half-written directory; if two race, one rename wins and the
-    other build is discarded. A stale copy (other format version or spec) is replaced. Raises
-    FileExistsError if `path` is a non-empty directory that is not a demo model, rather than
-    replacing someone's files."""
+    other build is discarded. A stale copy (other format version, spec or committed files) is
+    replaced. Raises FileExistsError if `path` is a non-empty directory that is not a demo model,
+    rather than replacing someone's files."""
+    spec = DEMO_SPEC
     target = pathlib.Path(path) if path is not None else default_demo_model_dir()
     if _is_current(target, spec):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     build = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
-        create_demo_model(build, spec)
+        create_demo_model(build)
         build.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared with other users
         for _ in range(3):  # a concurrent replacer can move the target between our steps
             try:
@@ -159,12 +170,50 @@ def _move_aside(target: pathlib.Path) -> None:
 
 
 def _marker(spec: DemoSpec) -> dict[str, Any]:
-    return {"format_version": DEMO_FORMAT_VERSION, "spec": dataclasses.asdict(spec)}
+    return {"format_version": DEMO_FORMAT_VERSION, "spec": dataclasses.asdict(spec),
+            "assets": _asset_digests()}
 
 
-def _train_tokenizer(spec: DemoSpec) -> Any:
-    """Byte-level BPE over the bundled corpus. Deterministic: BPE training breaks count ties by
-    pair ids, which follow the (sorted) byte alphabet; no randomness is involved."""
+def committed_file(name: str) -> Any:
+    """One of ASSET_FILES in the installed package (an importlib.resources Traversable)."""
+    return resources.files("tandem.model").joinpath(ASSETS_DIR, name)
+
+
+@functools.cache
+def _asset_digests() -> dict[str, str]:
+    return {name: hashlib.sha256(committed_file(name).read_bytes()).hexdigest()
+            for name in ASSET_FILES}
+
+
+def _safetensors_shapes(data: bytes) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header (8-byte little-endian length, then JSON): no torch
+    needed, no tensor read."""
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    return {name: tuple(entry["shape"]) for name, entry in header.items()
+            if name != "__metadata__"}
+
+
+def _check_assets(spec: DemoSpec, vocab_size: int, shapes: dict[str, tuple[int, ...]]) -> None:
+    expected = weight_shapes(spec, vocab_size)
+    wrong = sorted(name for name in expected.keys() | shapes.keys()
+                   if expected.get(name) != shapes.get(name))
+    if vocab_size != spec.vocab_size or wrong:
+        raise RuntimeError(
+            f"the committed demo model files in tandem/model/{ASSETS_DIR}/ do not fit DEMO_SPEC "
+            f"(vocabulary {vocab_size}, spec {spec.vocab_size}; tensors missing, unexpected or "
+            f"of another shape: {', '.join(wrong) or 'none'}); retrain them with "
+            f"`python -m tandem.model.train_demo --out tandem/model/{ASSETS_DIR}`")
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """SPECIAL_TOKENS -> id in a `tokenizers.Tokenizer`."""
+    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+
+
+def train_tokenizer(spec: DemoSpec) -> Any:
+    """Byte-level BPE over the bundled corpus, as `train_demo` trains it before the weights (the
+    demo model itself installs the committed result). Deterministic: BPE training breaks count
+    ties by pair ids, which follow the (sorted) byte alphabet; no randomness is involved."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -210,7 +259,7 @@ def _tokenizer_config(spec: DemoSpec) -> dict[str, Any]:
     }
 
 
-def _model_config(spec: DemoSpec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+def model_config(spec: DemoSpec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -248,9 +297,9 @@ def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _weight_shapes(spec: DemoSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+def weight_shapes(spec: DemoSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of transformers' LlamaForCausalLM with tied embeddings (so no
-    lm_head.weight), in a fixed order: the order the generator draws them in."""
+    lm_head.weight), in a fixed order."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
     head = spec.hidden_size // spec.num_attention_heads
     q_out, kv_out = spec.num_attention_heads * head, spec.num_key_value_heads * head
@@ -270,27 +319,6 @@ def _weight_shapes(spec: DemoSpec, vocab_size: int) -> dict[str, tuple[int, ...]
         }
     shapes["model.norm.weight"] = (hidden,)
     return shapes
-
-
-def _write_weights(path: pathlib.Path, spec: DemoSpec, vocab_size: int) -> None:
-    """Random float32 weights: matrices N(0, weight_std^2), RMSNorm weights one. Drawn here with
-    torch rather than by building LlamaForCausalLM: importing transformers' model code alone takes
-    seconds, and the bytes must not change when transformers changes its initialization order.
-    A private generator keeps the global torch RNG untouched."""
-    import torch
-    from safetensors.torch import save
-
-    generator = torch.Generator().manual_seed(spec.seed)
-    tensors = {}
-    for name, shape in _weight_shapes(spec, vocab_size).items():
-        if len(shape) == 1:
-            tensors[name] = torch.ones(shape, dtype=torch.float32)
-        else:
-            tensors[name] = torch.empty(shape, dtype=torch.float32).normal_(
-                0.0, spec.weight_std, generator=generator)
-    # save() + write_bytes rather than save_file, which creates the file 0600 (the cache may be
-    # shared with other users).
-    path.write_bytes(save(tensors, metadata={"format": "pt"}))
 
 
 def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
