@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +13,7 @@ from prometheus_client import start_http_server
 
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
+from services.frontend.supervisor import supervise
 from tandem.frontend.admission import Admission
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.detokenizer import IncrementalDetokenizer
@@ -41,6 +44,17 @@ class FrontendConfig:
     http_port: int = 8000
     #: Public gRPC Inference API port.
     grpc_port: int = 8001
+    #: Frontend processes serving the HTTP and gRPC ports together (SO_REUSEPORT: the kernel
+    #: spreads connections among them). Above 1, this process starts that many children, each
+    #: with --reuse-port (and --metrics-port plus its index), stops them all on SIGTERM, and
+    #: exits non-zero when one of them dies.
+    processes: int = 1
+    #: Bind the HTTP and gRPC ports with SO_REUSEPORT, sharing them with the other frontend
+    #: processes of this host; off, a port already taken fails start-up.
+    reuse_port: bool = False
+    #: A gRPC port of this process alone (health and the API), so that a launcher can tell
+    #: whether this process is ready when several share --grpc-port; 0: none.
+    own_grpc_port: int = 0
     #: Largest accepted HTTP request body, bytes (more: 413).
     max_request_bytes: int = 32 * 1024 * 1024
     #: Largest gRPC message the public gRPC port accepts or sends, bytes.
@@ -154,7 +168,9 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
 
 
 async def serve(config: FrontendConfig) -> None:
-    logs.setup("frontend", config.log_level, config.log_format)
+    # Several processes share the ports: the pid tells their lines apart on a console.
+    logs.setup("frontend", config.log_level, config.log_format,
+               instance=str(os.getpid()) if config.reuse_port else "")
     tracing.setup("frontend")
     logs.log_config(log, config_lib.as_dict(config))
     api_keys = ApiKeys.load(config.api_keys, config.api_keys_file)
@@ -167,7 +183,8 @@ async def serve(config: FrontendConfig) -> None:
         start_http_server(config.metrics_port, config.host,
                           registry=frontend.pipeline.metrics.registry)
     grpc_service = GrpcService(ServerOptions(config.host, config.grpc_port, config.grace_period_s,
-                                             config.max_message_bytes, config.tls),
+                                             config.max_message_bytes, config.tls,
+                                             config.reuse_port, config.own_grpc_port),
                                ["tandem.v1.Inference"])
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(frontend, grpc_service.draining, api_keys), grpc_service.server)
@@ -178,7 +195,8 @@ async def serve(config: FrontendConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=config.grace_period_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context)
+    site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context,
+                       reuse_port=config.reuse_port)
     await site.start()
 
     # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
@@ -193,4 +211,6 @@ async def serve(config: FrontendConfig) -> None:
 def main(argv: Sequence[str]) -> None:
     config = config_lib.load(FrontendConfig, argv, prog="tandem serve frontend",
                              description="Run the Tandem frontend (OpenAI REST + gRPC API).")
+    if config.processes > 1:
+        sys.exit(supervise(config, argv))
     loop.run(serve(config))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ class Deployment:
     http_port: int = 8000
     #: Frontend public gRPC Inference port.
     grpc_port: int = 8001
+    #: Frontend processes sharing the HTTP and gRPC ports (SO_REUSEPORT: the kernel spreads
+    #: connections among them), named frontend-0, frontend-1, ...; each also serves gRPC on a
+    #: free port of its own, where the launcher checks that it is ready.
+    frontend_processes: int = 1
     #: Router gRPC port.
     router_port: int = 9100
     #: One decode (aggregated) worker per port, in one pool (used when `pools` is empty).
@@ -94,7 +99,8 @@ class Deployment:
     # == observability ==
     #: Router's Prometheus /metrics port; 0: none.
     router_metrics_port: int = 0
-    #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too); 0: none.
+    #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too, of whichever
+    #: process took the connection); frontend process i serves it on this port + i; 0: none.
     frontend_metrics_port: int = 0
     #: Workers' Prometheus /metrics ports, one per worker in start order (pool by pool as
     #: listed; without `pools`: the decode, then the prefill, then the encode workers); none:
@@ -129,6 +135,8 @@ class ServiceProcess:
     name: str
     health_address: str
     argv: list[str]
+    #: Processes of one group are stopped together (the frontend processes); "": its name.
+    stop_group: str = ""
 
 
 def _serve(stage: str, *flags: str) -> list[str]:
@@ -205,8 +213,6 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
-    if d.frontend_metrics_port:
-        frontend_flags += ["--metrics-port", str(d.frontend_metrics_port)]
     if d.api_keys:
         frontend_flags += ["--api-keys", *d.api_keys]
     if d.api_keys_file:
@@ -214,11 +220,40 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     # The frontend hashes prompts with images into the workers' blocks.
     frontend_flags += ["--kv-block-size", str(d.engine_args.kv_block_size),
                        *config_lib.to_argv(d.media)]
-    frontend = ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", _serve(
+    frontend_argv = _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), "--router-address", f"{d.host}:{d.router_port}", *model,
-        *frontend_flags, *common))
-    return [*workers, router, frontend]
+        *frontend_flags, *common, "--processes", "1")
+    return [*workers, router, *frontends(d, frontend_argv)]
+
+
+def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
+    """One frontend process, or `frontend_processes` of them sharing the ports, each with its
+    own gRPC port for the launcher's readiness check and its own metrics port."""
+    if d.frontend_processes < 1:
+        raise InvalidRequest("frontend_processes must be at least 1", param="frontend_processes")
+    metrics = [["--metrics-port", str(d.frontend_metrics_port + i)] if d.frontend_metrics_port
+               else [] for i in range(d.frontend_processes)]
+    if d.frontend_processes == 1:
+        return [ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", [*argv, *metrics[0]])]
+    own_ports = _free_ports(d.host, d.frontend_processes)
+    return [ServiceProcess(f"frontend-{i}", f"{d.host}:{port}",
+                           [*argv, *metrics[i], "--reuse-port", "--own-grpc-port", str(port)],
+                           stop_group="frontend")
+            for i, port in enumerate(own_ports)]
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports nothing listens on now (all held open until the end, so that the
+    kernel offers each once)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for sock in held:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def with_model(d: Deployment, model: str) -> Deployment:

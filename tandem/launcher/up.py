@@ -4,7 +4,6 @@ print where to reach it, stop everything on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -24,22 +23,16 @@ from tandem.model.demo import ensure_demo_model
 from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs
+from tandem.runtime.children import die_with_parent
 from tandem.runtime.health_probe import wait_serving
 from tandem.runtime.router_status import RouterStatusClient
 from tandem.runtime.tls import TlsConfig
 
 log = logging.getLogger("tandem.up")
-_PR_SET_PDEATHSIG = 1
 #: Between two ListWorkers calls while the router takes the workers on (it reconnects to a
 #: worker within its back-off, at most 2 s), and between two log lines naming the missing ones.
 CANDIDATES_POLL_S = 0.1
 CANDIDATES_LOG_S = 5.0
-
-
-def _die_with_parent() -> None:
-    # A child must not outlive the launcher, even if the launcher is killed with SIGKILL.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class StartupFailed(RuntimeError):
@@ -68,7 +61,7 @@ class Topology:
             # the children in order (frontend first) instead of all at once.
             self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
                                                         start_new_session=True,
-                                                        preexec_fn=_die_with_parent)
+                                                        preexec_fn=die_with_parent)
             log.debug("started", extra={"service": spec.name,
                                         "pid": self.children[spec.name].pid})
 
@@ -123,18 +116,28 @@ class Topology:
                 await asyncio.sleep(CANDIDATES_POLL_S)
 
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM in reverse start order (frontend first, so it drains onto live workers)."""
+        """SIGTERM in reverse start order (frontend first, so it drains onto live workers); the
+        processes of one stop group (the frontend processes) drain together."""
+        groups: list[list[ServiceProcess]] = []
         for spec in reversed(self.specs):
-            child = self.children.get(spec.name)
-            if child is None or child.poll() is not None:
-                continue
-            child.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(child.wait, grace_s + 5)
-            except subprocess.TimeoutExpired:
-                log.warning("did not drain in time; killing", extra={"service": spec.name})
-                child.kill()
-                await asyncio.to_thread(child.wait)
+            if groups and spec.stop_group and groups[-1][0].stop_group == spec.stop_group:
+                groups[-1].append(spec)
+            else:
+                groups.append([spec])
+        for group in groups:
+            await asyncio.gather(*(self._stop_one(spec.name, grace_s) for spec in group))
+
+    async def _stop_one(self, name: str, grace_s: float) -> None:
+        child = self.children.get(name)
+        if child is None or child.poll() is not None:
+            return
+        child.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(child.wait, grace_s + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("did not drain in time; killing", extra={"service": name})
+            child.kill()
+            await asyncio.to_thread(child.wait)
 
 
 def _banner(d: Deployment, model_dir: str, name: str) -> str:

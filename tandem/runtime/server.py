@@ -40,6 +40,12 @@ class ServerOptions:
     max_message_bytes: int = 64 * 1024 * 1024
     #: TLS (mTLS with require_client_cert) on the port when enabled; plaintext otherwise.
     tls: TlsConfig | None = None
+    #: SO_REUSEPORT on the server's ports: several processes bind the same port and the kernel
+    #: spreads connections among them. Off, a port another process holds fails start-up.
+    reuse_port: bool = False
+    #: A second port this process alone binds (0: none), serving the same services: with
+    #: `reuse_port`, its health says whether this process (not a random one) is ready.
+    own_port: int = 0
 
 
 class Draining:
@@ -87,7 +93,7 @@ class GrpcService:
         self.service_names = list(service_names)
         limits = [("grpc.max_send_message_length", options.max_message_bytes),
                   ("grpc.max_receive_message_length", options.max_message_bytes),
-                  ("grpc.so_reuseport", 0),
+                  ("grpc.so_reuseport", 1 if options.reuse_port else 0),
                   # Let routers keep long-lived streams alive with pings (see the watcher).
                   ("grpc.keepalive_permit_without_calls", 1),
                   ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
@@ -98,18 +104,26 @@ class GrpcService:
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        bind = f"{options.host}:{options.port}"
-        if options.tls is not None and options.tls.enabled:
-            self.port = self.server.add_secure_port(bind, server_credentials(options.tls))
-        else:
-            self.port = self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC port {options.host}:{options.port}")
+        self.port = self._bind(options.port)
+        if options.own_port:
+            # The socket option is per server, so this port is bound with SO_REUSEPORT too;
+            # whoever hands out own ports (the launcher) keeps them distinct.
+            self._bind(options.own_port)
         self._close_hooks: list[CloseHook] = []
         self._drain_hooks: list[CloseHook] = []
         #: False for a service that reports SERVING itself once it can serve (the router).
         self.serve_when_started = True
         self._stop = asyncio.Event()
+
+    def _bind(self, port: int) -> int:
+        bind = f"{self.options.host}:{port}"
+        if self.options.tls is not None and self.options.tls.enabled:
+            bound = self.server.add_secure_port(bind, server_credentials(self.options.tls))
+        else:
+            bound = self.server.add_insecure_port(bind)
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC port {bind}")
+        return bound
 
     @property
     def address(self) -> str:
@@ -135,7 +149,9 @@ class GrpcService:
         await self.server.start()
         if self.serve_when_started:
             await self.set_serving(True)
-        log.info("serving", extra={"address": self.address, "services": self.service_names})
+        own = {"own_port": self.options.own_port} if self.options.own_port else {}
+        log.info("serving", extra={"address": self.address, "services": self.service_names,
+                                   **own})
 
     async def run(self) -> None:
         """Starts, waits for SIGTERM/SIGINT (or request_stop), then shuts down gracefully."""

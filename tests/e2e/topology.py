@@ -145,3 +145,23 @@ def wait_serving(address: str) -> None:
                                 timeout=START_TIMEOUT_S):
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return
+
+
+def consecutive_free_ports(n: int) -> list[int]:
+    """`n` consecutive loopback ports nothing listened on just now (a service that gives its
+    i-th process port + i, e.g. --frontend-metrics-port), none handed out before."""
+    while True:
+        (first,) = free_ports(1)
+        ports = list(range(first, first + n))
+        if _handed_out.isdisjoint(ports[1:]) and all(map(_is_free, ports[1:])):
+            _handed_out.update(ports)
+            return ports
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
