@@ -18,7 +18,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 ROLES = ("frontend", "router", "prefill", "decode", "encode")
 
 
-def _read_stat(pid: int) -> tuple[int, int] | None:
+def read_stat(pid: int) -> tuple[int, int] | None:
     """(ppid, utime + stime ticks) of a process, or None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -43,7 +43,7 @@ def _pids() -> list[int]:
 def descendants(root: int) -> set[int]:
     children: dict[int, list[int]] = collections.defaultdict(list)
     for pid in _pids():
-        stat = _read_stat(pid)
+        stat = read_stat(pid)
         if stat:
             children[stat[0]].append(pid)
     found, todo = set(), [root]
@@ -85,7 +85,7 @@ def label_processes(tandem_pid: int) -> dict[int, str]:
     return labels
 
 
-def _machine_ticks() -> tuple[int, int, int]:
+def machine_ticks() -> tuple[int, int, int]:
     """(busy, total, steal) jiffies over all cores from /proc/stat (guest time is in user)."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     user, nice, system, idle, iowait, irq, softirq, steal = values
@@ -120,10 +120,10 @@ class CpuSampler:
                 next_relabel = now + 2.0
             ticks = {}
             for pid, name in labels.items():
-                stat = _read_stat(pid)
+                stat = read_stat(pid)
                 if stat:
                     ticks[name] = stat[1]
-            self.samples.append((now, _machine_ticks(), ticks))
+            self.samples.append((now, machine_ticks(), ticks))
             self._stop.wait(self.interval_s)
 
     def percent_between(self, start: float, end: float) -> dict[str, float]:

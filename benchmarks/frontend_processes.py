@@ -30,8 +30,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from _procstats import CLK_TCK, machine_ticks, read_stat
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 180
 
 
@@ -104,17 +105,11 @@ async def loadgen(args: argparse.Namespace) -> None:
 
 # ---- driver ----------------------------------------------------------------------------------
 
-def cpu_ticks(pid: int) -> int:
-    text = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores, from /proc/stat."""
-    values = [int(v) for v in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, idle, iowait, irq, softirq, steal = values
-    return user + nice + system + irq + softirq + steal, sum(values)
+def _cpu_ticks(pid: int) -> int:
+    stat = read_stat(pid)
+    if stat is None:
+        raise RuntimeError(f"process {pid} exited during the measurement")
+    return stat[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -172,14 +167,16 @@ def run_one(num_frontends: int, args: argparse.Namespace, log: pathlib.Path) -> 
              str(args.max_tokens)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         pids = {**services, "load generator": loadgen_proc.pid}
         assert json.loads(loadgen_proc.stdout.readline())["event"] == "start"  # type: ignore[union-attr]
-        before = {name: cpu_ticks(pid) for name, pid in pids.items()}
+        before = {name: _cpu_ticks(pid) for name, pid in pids.items()}
         machine_before = machine_ticks()
         end = json.loads(loadgen_proc.stdout.readline())  # type: ignore[union-attr]
-        after = {name: cpu_ticks(pid) for name, pid in pids.items()}
+        after = {name: _cpu_ticks(pid) for name, pid in pids.items()}
         machine_after = machine_ticks()
         loadgen_proc.wait(timeout=60)
         cpu_s = {name: (after[name] - before[name]) / CLK_TCK for name in pids}
-        busy = (machine_after[0] - machine_before[0]) / (machine_after[1] - machine_before[1])
+        # Busy counts steal here: time the hypervisor took is time these processes waited.
+        busy_ticks = [m[0] + m[2] for m in (machine_before, machine_after)]
+        busy = (busy_ticks[1] - busy_ticks[0]) / (machine_after[1] - machine_before[1])
         # Everything else on this (shared) machine: other users, loopback softirq, kernel.
         cpu_s["(other, not tandem)"] = max(
             0.0, busy * (os.cpu_count() or 1) * end["seconds"] - sum(cpu_s.values()))

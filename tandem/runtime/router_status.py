@@ -10,7 +10,7 @@ import grpc
 from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
 from tandem.routing.workers import Health, LoadReport
 from tandem.runtime import status
-from tandem.runtime.tls import TlsConfig, aio_channel, channel_credentials
+from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import kv_events_pb2, router_pb2, router_pb2_grpc
 
 _HEALTH_TO_PB = {Health.UNKNOWN: router_pb2.WORKER_HEALTH_UNSPECIFIED,
@@ -81,14 +81,7 @@ class RouterStatusClient:
     def __init__(self, address: str, tls: TlsConfig | None = None, api_key: str = "",
                  ca_only_tls: bool = False) -> None:
         self.address = address
-        if ca_only_tls and tls is not None and tls.ca_file and not tls.enabled:
-            # A client needs no certificate of its own to verify the router (TLS without mTLS);
-            # the services' rule (TLS once they have a certificate) would make this plaintext.
-            options = [("grpc.ssl_target_name_override", tls.server_name)] \
-                if tls.server_name else []
-            self._channel = grpc.aio.secure_channel(address, channel_credentials(tls), options)
-        else:
-            self._channel = aio_channel(address, tls)
+        self._channel = aio_channel(address, tls, ca_only_tls=ca_only_tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

@@ -81,10 +81,14 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
 
 
 def aio_channel(address: str, tls: TlsConfig | None,
-                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel to `address`: TLS when `tls` is enabled, plaintext otherwise."""
+                options: Sequence[tuple[str, Any]] = (),
+                ca_only_tls: bool = False) -> grpc.aio.Channel:
+    """A channel to `address`: TLS when `tls` is enabled, plaintext otherwise. With
+    `ca_only_tls`, a `tls` naming only a CA file means TLS too: a client (not a service) needs no
+    certificate of its own to verify its peer."""
     import grpc
-    if tls is None or not tls.enabled:
+    secure = tls is not None and (tls.enabled or (ca_only_tls and bool(tls.ca_file)))
+    if tls is None or not secure:
         return grpc.aio.insecure_channel(address, options=list(options))
     opts = list(options)
     if tls.server_name:
