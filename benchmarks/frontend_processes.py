@@ -139,15 +139,20 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_one(num_frontends: int, args: argparse.Namespace, log: pathlib.Path) -> dict:
+def run_one(num_frontends: int, args: argparse.Namespace, log: pathlib.Path,
+            speedup: float = 0.0, env: dict[str, str] | None = None) -> dict:
+    """One `tandem up` under the load; `env` is added to the services' environment (TANDEM_*
+    variables set their flags)."""
     http, grpc_port, router, *decode = free_ports(3 + args.decode_workers)
     up = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--engine", "mock", "--speedup-ratio", "0",
+        [sys.executable, "-m", "tandem.cli", "up", "--engine", "mock", "--speedup-ratio",
+         str(speedup),
          "--frontend-processes", str(num_frontends), "--http-port", str(http), "--grpc-port",
          str(grpc_port), "--router-port", str(router), "--decode-ports", *map(str, decode),
          "--router-policy", args.router_policy, "--log-level", "warning",
          "--grace-period-s", "5"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("a"), text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("a"), text=True,
+        env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         fields: dict[str, str] = {}

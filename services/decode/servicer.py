@@ -1,4 +1,5 @@
-"""Decode servicer: protobuf in, engine call, token chunks out."""
+"""Decode servicer: protobuf in, engine call, token chunks out (one request per Generate call,
+or many over one Session stream: services.decode.session)."""
 from __future__ import annotations
 
 import uuid
@@ -6,8 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.decode.session import WorkerSession
 from tandem.engines.base import Engine
-from tandem.engines.types import EngineRequest
+from tandem.engines.types import EngineRequest, TokenChunk
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.runtime import convert, tracing
 from tandem.runtime.server import Draining
@@ -31,6 +33,21 @@ def engine_request(request: pb.GenerateRequest, max_model_len: int) -> EngineReq
     )
 
 
+def fill_chunk(message: pb.GenerateChunk, chunk: TokenChunk) -> None:
+    """Writes `chunk` into an empty GenerateChunk (in place: no copy into a SessionBatch)."""
+    message.token_ids.extend(chunk.token_ids)
+    if chunk.cached_tokens is not None:
+        message.cached_tokens = chunk.cached_tokens
+    if chunk.prompt_logprobs:
+        message.prompt_logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.prompt_logprobs)
+    if chunk.logprobs:
+        message.logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.logprobs)
+    if chunk.finish_reason is not None:
+        message.finish_reason = convert.finish_to_pb(chunk.finish_reason)
+        if chunk.usage is not None:
+            message.usage.CopyFrom(convert.usage_to_pb(chunk.usage))
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: Engine, draining: Draining) -> None:
         self.engine = engine
@@ -45,23 +62,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         try:
             async for chunk in stream:
-                message = pb.GenerateChunk(token_ids=chunk.token_ids)
-                if chunk.cached_tokens is not None:
-                    message.cached_tokens = chunk.cached_tokens
-                if chunk.prompt_logprobs:
-                    message.prompt_logprobs.extend(
-                        convert.logprob_to_pb(lp) for lp in chunk.prompt_logprobs)
-                if chunk.logprobs:
-                    message.logprobs.extend(convert.logprob_to_pb(lp) for lp in chunk.logprobs)
                 if chunk.finish_reason is not None:
-                    message.finish_reason = convert.finish_to_pb(chunk.finish_reason)
                     if chunk.usage is not None:
-                        message.usage.CopyFrom(convert.usage_to_pb(chunk.usage))
                         tracing.annotate({tracing.INPUT_TOKENS: chunk.usage.prompt_tokens,
                                           tracing.OUTPUT_TOKENS: chunk.usage.completion_tokens})
                     finished = True
+                message = pb.GenerateChunk()
+                fill_chunk(message, chunk)
                 yield message
         finally:
             # Client gone, deadline passed or an error: the request's blocks go back now.
             if not finished:
                 self.engine.abort(engine_req.request_id)
+
+    async def Session(self, requests: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionBatch]:
+        session = WorkerSession(self.engine, self.draining,
+                                lambda r: engine_request(r, self.engine.max_model_len),
+                                fill_chunk)
+        async with session.reading(requests):
+            async for batch in session.batches():
+                yield batch

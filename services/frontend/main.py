@@ -76,6 +76,10 @@ class FrontendConfig:
     #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
     #: prompts with images for the router, which must match the workers' hashes.
     kv_block_size: int = 32
+    #: Send every request for one decode worker over one Decode.Session stream, which carries
+    #: all of a step's tokens in one message; off (--no-decode-sessions): one Decode.Generate
+    #: call per request, one message per request per step.
+    decode_sessions: bool = True
     # == disaggregation ==
     #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
     #: not cached on the decode worker is at most this many tokens skip the prefill worker.
@@ -150,7 +154,7 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     clients = FrontendClients(
         RouterClient(config.router_address, timeout_s=config.router_timeout_s,
                      max_local_prefill_length=config.max_local_prefill_length, tls=config.tls),
-        DecodeClients(config.tls), PrefillClients(config.tls),
+        DecodeClients(config.tls, config.decode_sessions), PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media)
     pipeline = Pipeline(clients.router, clients.decode,
                         lambda req: IncrementalDetokenizer(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from tandem.engines.types import FinishReason, TokenChunk, TokenLogprob, Usage
 
@@ -12,10 +13,15 @@ class RequestStream:
     The engine calls push/finish/fail from the event loop's thread; the consumer iterates. Each
     iteration returns every token produced since the previous one, so a slow consumer gets fewer,
     larger chunks instead of falling behind. Iteration ends after the chunk carrying finish_reason.
+
+    A consumer serving many streams at once (a decode worker's Session) registers a listener
+    instead of iterating: it is called when the stream goes from empty to having something to
+    take, and the consumer then calls take() without waiting.
     """
 
     __slots__ = ("request_id", "_token_ids", "_logprobs", "_finish", "_usage", "_error",
-                 "_ready", "_drained", "_cached_tokens", "_prompt_logprobs")
+                 "_ready", "_drained", "_cached_tokens", "_prompt_logprobs", "_listener",
+                 "_pending")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -28,6 +34,25 @@ class RequestStream:
         self._drained = False
         self._cached_tokens: int | None = None
         self._prompt_logprobs: list[TokenLogprob] | None = None
+        self._listener: Callable[[RequestStream], None] | None = None
+        #: Whether something arrived since the last take (the listener is told once per take).
+        self._pending = False
+
+    def listen(self, listener: Callable[[RequestStream], None]) -> None:
+        """Calls `listener(self)` whenever the stream has something new to take (instead of
+        iteration; use one or the other)."""
+        self._listener = listener
+        if self._pending:
+            listener(self)
+
+    def _notify(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        if self._listener is not None:
+            self._listener(self)
+        else:
+            self._ready.set()
 
     def set_cached_tokens(self, num_tokens: int) -> None:
         """Prefix-cache hits of the prompt, reported once on the next chunk (engines call this
@@ -48,20 +73,20 @@ class RequestStream:
         self._token_ids.append(token_id)
         if logprob is not None:
             self._logprobs.append(logprob)
-        self._ready.set()
+        self._notify()
 
     def finish(self, reason: FinishReason, usage: Usage) -> None:
         if self.is_finished:
             return
         self._finish = reason
         self._usage = usage
-        self._ready.set()
+        self._notify()
 
     def fail(self, error: BaseException) -> None:
         if self.is_finished:
             return
         self._error = error
-        self._ready.set()
+        self._notify()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -70,6 +95,13 @@ class RequestStream:
         if self._drained:
             raise StopAsyncIteration
         await self._ready.wait()
+        self._ready.clear()
+        return self.take()
+
+    def take(self) -> TokenChunk:
+        """Everything produced since the previous take, without waiting (possibly nothing);
+        raises the stream's error once it failed. The chunk with finish_reason is the last."""
+        self._pending = False
         if self._error is not None:
             self._drained = True
             raise self._error
@@ -77,7 +109,6 @@ class RequestStream:
                            self._cached_tokens, self._prompt_logprobs)
         self._token_ids, self._logprobs = [], []
         self._cached_tokens = self._prompt_logprobs = None
-        self._ready.clear()
         if self._finish is not None:
             self._drained = True
         return chunk

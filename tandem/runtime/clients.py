@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, aclosing
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -13,6 +13,7 @@ from opentelemetry.trace import Span, SpanKind
 from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResult, TokenChunk
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status, tracing
+from tandem.runtime.decode_session import SessionChannel
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import (
@@ -216,15 +217,34 @@ class PrefillClients(_Channels):
         await super().close()
 
 
-class DecodeClients(_Channels):
-    """Generate streams to decode workers."""
+def _chunk_from_pb(msg: decode_pb2.GenerateChunk) -> TokenChunk:
+    return TokenChunk(
+        list(msg.token_ids),
+        [convert.logprob_from_pb(lp) for lp in msg.logprobs] if msg.logprobs else [],
+        convert.finish_from_pb(msg.finish_reason),
+        convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None,
+        msg.cached_tokens if msg.HasField("cached_tokens") else None)
 
-    def _stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self.channel(address))
+
+class DecodeClients(_Channels):
+    """Generate streams to decode workers: by default every request to one worker rides on one
+    Decode.Session stream (tandem.runtime.decode_session); `sessions=False` makes one
+    Decode.Generate call per request instead."""
+
+    def __init__(self, tls: TlsConfig | None = None, sessions: bool = True) -> None:
+        super().__init__(tls)
+        self.sessions = sessions
+        self._sessions: dict[str, SessionChannel] = {}
+
+    def _session(self, address: str) -> SessionChannel:
+        session = self._sessions.get(address)
+        if session is None or session.closed:
+            session = self._sessions[address] = SessionChannel(self.channel(address), address)
+        return session
 
     async def generate(self, address: str, request: EngineRequest,
                        timeout_s: float | None = None) -> AsyncGenerator[TokenChunk, None]:
-        """Streams chunks from the worker; closing the iterator cancels the call."""
+        """Streams chunks from the worker; closing the iterator cancels the request."""
         message = decode_pb2.GenerateRequest(
             request_id=request.request_id, token_ids=request.prompt_token_ids,
             sampling=convert.sampling_to_pb(request.sampling),
@@ -233,21 +253,28 @@ class DecodeClients(_Channels):
             message.kv_handle.CopyFrom(convert.kv_handle_to_pb(request.kv_handle))
             message.first_token.CopyFrom(convert.logprob_to_pb(request.first_token))
         with _client_span("Decode", "Generate", address) as span:
-            call = self._stub(address).Generate(message, timeout=timeout_s, metadata=(
-                (REQUEST_ID_KEY, request.request_id), *tracing.inject(span)))
+            if self.sessions:
+                chunks = self._session(address).generate(
+                    message, dict(tracing.inject(span)), timeout_s, _chunk_from_pb)
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
+                return
+            call = decode_pb2_grpc.DecodeStub(self.channel(address)).Generate(
+                message, timeout=timeout_s,
+                metadata=((REQUEST_ID_KEY, request.request_id), *tracing.inject(span)))
             try:
                 async for msg in call:
-                    yield TokenChunk(
-                        list(msg.token_ids),
-                        [convert.logprob_from_pb(lp) for lp in msg.logprobs]
-                        if msg.logprobs else [],
-                        convert.finish_from_pb(msg.finish_reason),
-                        convert.usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-                        msg.cached_tokens if msg.HasField("cached_tokens") else None)
+                    yield _chunk_from_pb(msg)
             except grpc.aio.AioRpcError as exc:
                 raise status.from_rpc_error(exc, f"decode worker {address}") from None
             finally:
                 call.cancel()
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        await super().close()
 
 
 class EncodeClients(_Channels):

@@ -41,16 +41,9 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, TandemError):
-        await context.abort(status.code_for(exc), _details(exc))
+        await context.abort(status.code_for(exc), status.details_for(exc))
     log.error("unhandled error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the service's log)")
-
-
-def _details(exc: TandemError) -> str:
-    """The message, led by the request field at fault (what OpenAI's error JSON calls `param`)
-    where the error names one, so that gRPC callers learn it too."""
-    param = exc.param
-    return f"{param}: {exc.message}" if param and param not in exc.message else exc.message
 
 
 def _server_span(context: grpc.aio.ServicerContext, method: str) -> AbstractContextManager[Span]:

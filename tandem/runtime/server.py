@@ -60,14 +60,21 @@ class Draining:
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        self.num_in_flight += 1
-        self._idle.clear()
+        self.enter()
         try:
             yield
         finally:
-            self.num_in_flight -= 1
-            if not self.num_in_flight:
-                self._idle.set()
+            self.leave()
+
+    def enter(self) -> None:
+        """One more request in flight (pair with leave(); tracking() does both)."""
+        self.num_in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.num_in_flight -= 1
+        if not self.num_in_flight:
+            self._idle.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request RPC is in flight (now or within `timeout_s`)."""

@@ -28,13 +28,30 @@ def code_for(exc: errors.TandemError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def details_for(exc: errors.TandemError) -> str:
+    """The status message: the error's, led by the request field at fault (what OpenAI's error
+    JSON calls `param`) where the error names one, so that gRPC callers learn it too."""
+    param = exc.param
+    return f"{param}: {exc.message}" if param and param not in exc.message else exc.message
+
+
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.TandemError:
     """A typed error for a failed call to `peer`, keeping the peer's message."""
-    cls = _ERRORS_BY_CODE.get(exc.code(), errors.UpstreamError)
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    return error_for(exc.code(), exc.details() or "", peer)
+
+
+def error_for(code: grpc.StatusCode | int, details: str, peer: str) -> errors.TandemError:
+    """A typed error for a status `code` (or its number) and message returned by `peer`."""
+    if isinstance(code, int):
+        code = _CODES_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    cls = _ERRORS_BY_CODE.get(code, errors.UpstreamError)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         # A peer that cancels our call (e.g. its drain grace ran out) is unavailable to a client
         # that is still here: retryable, never the client's own "cancelled".
-        return errors.Unavailable(f"{peer} unavailable: {exc.details()}")
+        return errors.Unavailable(f"{peer} unavailable: {details}")
     if cls is errors.UpstreamError:
-        return errors.UpstreamError(f"{peer} failed ({exc.code().name}): {exc.details()}")
-    return cls(exc.details() or f"{peer}: {exc.code().name}")
+        return errors.UpstreamError(f"{peer} failed ({code.name}): {details}")
+    return cls(details or f"{peer}: {code.name}")

@@ -155,6 +155,22 @@ def _span(tracer: trace.Tracer, name: str, kind: SpanKind, attributes: Mapping[s
             otel_context.detach(token)
 
 
+def start_span(name: str, kind: SpanKind, attributes: Mapping[str, Any] | None,
+               parent: otel_context.Context | None) -> Span:
+    """A span the caller ends itself (span.end()), for work that outlives any one block: a
+    request served inside a long-lived stream. Tracing off: the no-op span."""
+    if _tracer is None:
+        return INVALID_SPAN
+    return _tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+
+
+def in_span(s: Span) -> AbstractContextManager[Span]:
+    """Makes `s` the current span inside a block, without ending it at the block's end."""
+    if _tracer is None:
+        return NOOP
+    return trace.use_span(s, end_on_exit=False)
+
+
 def current_span() -> Span:
     """The span of the request being served (a no-op span when tracing is off)."""
     if _tracer is None:

@@ -1,0 +1,159 @@
+"""The frontend's side of Decode.Session: every request to one decode worker over one stream.
+
+A `SessionChannel` holds one bidirectional call to one worker: requests and cancels go out
+through a queue (one writer task), batches come in through one reader task that hands each
+request's chunk to its `_Receiver`. When the call ends (worker gone, draining, network), every
+request still on it fails as Unavailable, which the pipeline treats as a broken stream
+(migration) or a refusal (nothing streamed yet); the next request opens a new call.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Callable
+
+import grpc
+
+from tandem.engines.types import TokenChunk
+from tandem.errors import DeadlineExceeded, TandemError, Unavailable
+from tandem.runtime import status
+from tandem.v1 import decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger(__name__)
+ChunkFromPb = Callable[[decode_pb2.GenerateChunk], TokenChunk]
+
+
+class _Receiver:
+    """One request's chunks as the reader hands them over; the request's consumer awaits."""
+
+    __slots__ = ("chunks", "error", "_waiter")
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[decode_pb2.GenerateChunk] = collections.deque()
+        self.error: TandemError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, chunk: decode_pb2.GenerateChunk) -> None:
+        self.chunks.append(chunk)
+        self._wake()
+
+    def fail(self, error: TandemError) -> None:
+        if self.error is None:
+            self.error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Returns once a chunk or an error is there."""
+        if self.chunks or self.error is not None:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+class SessionChannel:
+    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+        self.address = address
+        self._call = decode_pb2_grpc.DecodeStub(channel).Session()
+        self._outbox: asyncio.Queue[decode_pb2.SessionRequest] = asyncio.Queue()
+        self._receivers: dict[str, _Receiver] = {}
+        self.closed = False
+        loop = asyncio.get_running_loop()
+        self._tasks = (loop.create_task(self._read()), loop.create_task(self._write()))
+
+    async def generate(self, message: decode_pb2.GenerateRequest, trace_context: dict[str, str],
+                       timeout_s: float | None,
+                       from_pb: ChunkFromPb) -> AsyncGenerator[TokenChunk, None]:
+        """The request's chunks; closing early (or the deadline passing) cancels it."""
+        request_id = message.request_id
+        if request_id in self._receivers:
+            raise Unavailable(f"request {request_id} is already running on {self.address}")
+        receiver = self._receivers[request_id] = _Receiver()
+        self._outbox.put_nowait(decode_pb2.SessionRequest(generate=message,
+                                                          trace_context=trace_context))
+        timer = None
+        if timeout_s is not None:
+            timer = asyncio.get_running_loop().call_later(timeout_s, receiver.fail,
+                                                          DeadlineExceeded("deadline exceeded"))
+        finished = False
+        try:
+            while True:
+                await receiver.wait()
+                while receiver.chunks:
+                    chunk = from_pb(receiver.chunks.popleft())
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+                    if finished:
+                        return
+                if receiver.error is not None:
+                    raise receiver.error
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._receivers.get(request_id) is receiver:
+                del self._receivers[request_id]
+            # Ended by the worker (an error it sent, or the session's end): nothing to cancel.
+            ended_there = (receiver.error is not None
+                           and not isinstance(receiver.error, DeadlineExceeded))
+            if not finished and not ended_there and not self.closed:
+                self._outbox.put_nowait(decode_pb2.SessionRequest(cancel_request_id=request_id))
+
+    async def _read(self) -> None:
+        error: TandemError = Unavailable(f"decode worker {self.address} ended the session")
+        try:
+            while True:
+                batch = await self._call.read()
+                if batch is grpc.aio.EOF:
+                    break
+                for item in batch.chunks:
+                    receiver = self._receivers.get(item.request_id)
+                    if receiver is None:
+                        continue  # cancelled by us while the batch was on its way
+                    if item.HasField("error"):
+                        receiver.fail(status.error_for(item.error.code, item.error.message,
+                                                       f"decode worker {self.address}"))
+                    else:
+                        receiver.put(item.chunk)
+        except grpc.aio.AioRpcError as exc:
+            error = status.from_rpc_error(exc, f"decode worker {self.address}")
+            if not isinstance(error, Unavailable):
+                # The session itself broke (not one request): retryable on another worker.
+                error = Unavailable(f"decode worker {self.address} session failed: {error}")
+        except asyncio.CancelledError:
+            error = Unavailable(f"session to decode worker {self.address} closed")
+            raise
+        finally:
+            self._end(error)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                message = await self._outbox.get()
+                await self._call.write(message)
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            # The call ended; the reader sees why and fails the requests.
+            log.debug("session write failed", extra={"worker": self.address, "error": str(exc)})
+
+    def _end(self, error: TandemError) -> None:
+        self.closed = True
+        self._call.cancel()
+        receivers, self._receivers = self._receivers, {}
+        for receiver in receivers.values():
+            receiver.fail(error)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def close(self) -> None:
+        self._end(Unavailable(f"session to decode worker {self.address} closed"))
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
