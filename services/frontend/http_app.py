@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -42,7 +43,8 @@ def _decision_headers(delta: Delta | None) -> dict[str, str]:
 
 
 def _sse(event: dict) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    # orjson: compact UTF-8 JSON, several times cheaper than json.dumps on the per-token path.
+    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 class OpenAIRoutes:
