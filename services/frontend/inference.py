@@ -16,8 +16,8 @@ from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
 from tandem.frontend.openai_request import Kind, parse_request
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
+from tandem.v1 import common_pb2, inference_pb2_grpc
 from tandem.v1 import inference_pb2 as pb
-from tandem.v1 import inference_pb2_grpc
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -41,6 +41,8 @@ def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
     body["min_tokens"], body["ignore_eos"] = s.min_tokens, s.ignore_eos
+    if s.HasField("guided_decoding"):
+        body.update(_guided_body(s.guided_decoding))
     if s.HasField("top_logprobs"):
         body["logprobs"] = True if request.WhichOneof("input") == "chat" else s.top_logprobs
         if request.WhichOneof("input") == "chat":
@@ -63,6 +65,21 @@ def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
     else:
         raise InvalidRequest("one of chat, prompt or tokens is required", param="input")
     return body, "completion"
+
+
+def _guided_body(guided: common_pb2.GuidedDecoding) -> dict[str, Any]:
+    """The OpenAI/vLLM body field of a constraint (checked there like any HTTP request's);
+    num_output_tokens_in_prompt is the frontend's own business, never a client's."""
+    which = guided.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not guided.json_object):
+        raise InvalidRequest("sampling.guided_decoding sets no constraint (json_object must be "
+                             "true when set)", param="sampling.guided_decoding")
+    if which == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if which == "choice":
+        return {"guided_choice": list(guided.choice.choices)}
+    key = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}
+    return {key[which]: getattr(guided, which)}
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):

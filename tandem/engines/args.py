@@ -23,6 +23,10 @@ class EngineArgs:
     enforce_eager: bool = False
     #: Seed for engine-chosen randomness (requests without a seed, dummy weights).
     seed: int = 0
+    #: Grammar backend that enforces structured outputs (response_format, guided_*): xgrammar
+    #: (every engine), llguidance (TensorRT-LLM only) or none (such requests are refused, and
+    #: TensorRT-LLM skips loading the tokenizer).
+    guided_decoding_backend: str = "xgrammar"
     # == batching and scheduling ==
     #: Most requests in one engine step.
     max_batch_size: int = 256

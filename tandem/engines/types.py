@@ -6,6 +6,40 @@ import enum
 from dataclasses import dataclass, field
 
 
+class GuidedKind(enum.Enum):
+    """The kinds of GuidedDecoding constraint (the oneof of GuidedDecoding in common.proto)."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A constraint on the output (structured outputs; see GuidedDecoding in common.proto).
+
+    Immutable and hashable: `grammar_key` identifies the compiled grammar, so engines cache
+    grammars by it.
+    """
+
+    kind: GuidedKind
+    #: JSON_SCHEMA: the schema as JSON text; REGEX: the pattern; GRAMMAR: the EBNF text;
+    #: JSON_OBJECT and CHOICE: "".
+    spec: str = ""
+    #: CHOICE: the allowed outputs, in the client's order.
+    choices: tuple[str, ...] = ()
+    #: Trailing prompt tokens that are output already generated under this constraint (a
+    #: migrated request); the engine advances the grammar over them first.
+    num_output_tokens_in_prompt: int = 0
+
+    @property
+    def grammar_key(self) -> tuple[GuidedKind, str, tuple[str, ...]]:
+        """What the compiled grammar depends on (not the per-request token count)."""
+        return (self.kind, self.spec, self.choices)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens. Defaults are the OpenAI/vLLM defaults; see common.proto."""
@@ -27,6 +61,8 @@ class SamplingParams:
     #: None: none; k >= 0: the logprob of every prompt token after the first, plus k
     #: alternatives each (such a request bypasses the prefix cache: cached tokens have no logits).
     prompt_logprobs: int | None = None
+    #: None: unconstrained; else the constraint the output must follow.
+    guided: GuidedDecoding | None = None
 
     @property
     def is_greedy(self) -> bool:

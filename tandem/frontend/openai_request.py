@@ -12,6 +12,8 @@ Precedence rules:
   - `nvext.greed_sampling: true` forces temperature 0 whatever `temperature` says.
   - SLA targets: `nvext.router.ttft_target` / `itl_target` win over the headers `x-slo-ttft-ms` /
     `x-slo-tpot-ms`. All in milliseconds.
+  - structured outputs (`response_format`, `guided_*`, `nvext.guided_*`): at most one, see
+    tandem.frontend.guided_request.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandem.engines.types import SamplingParams
+from tandem.engines.types import GuidedDecoding, SamplingParams
 from tandem.errors import InvalidRequest
+from tandem.frontend.guided_request import parse_guided
 from tandem.multimodal.chat import (
     IMAGE_PART_TYPES,
     MAX_IMAGES_PER_REQUEST,
@@ -82,6 +85,8 @@ class ParsedRequest:
     #: The client's own deadline for the whole request, seconds (`timeout` in the body, else the
     #: `x-request-timeout-ms` header); capped by the frontend's --request-timeout-s.
     timeout_s: float | None = None
+    #: The structured-output constraint (response_format, guided_*); None: unconstrained.
+    guided: GuidedDecoding | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """Engine sampling parameters, with `max_tokens` already decided by the frontend.
@@ -103,6 +108,7 @@ class ParsedRequest:
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             top_logprobs=self.logprobs,
+            guided=self.guided,
         )
 
 
@@ -219,6 +225,7 @@ def parse_request(
             _float(body, "timeout", lo=0.0, lo_open=True),
             _ms_to_s(_header_ms(headers, "x-request-timeout-ms")),
         ),
+        guided=parse_guided(body, nvext),
     )
 
 

@@ -68,11 +68,16 @@ class GenerationRequest:
         (migration): those tokens appended to the prompt, `max_tokens` and `min_tokens` reduced
         by them. Prompt logprobs, if asked, belonged to the original prompt and are not asked
         again. The embeddings stay at their placeholders, which the appended tokens do not move.
+        A structured-output constraint counts the appended tokens as output already generated.
         """
         num = len(token_ids)
+        guided = self.sampling.guided
+        if guided is not None:  # the worker advances the grammar over the appended tokens
+            guided = dataclasses.replace(
+                guided, num_output_tokens_in_prompt=guided.num_output_tokens_in_prompt + num)
         sampling = dataclasses.replace(self.sampling, max_tokens=self.sampling.max_tokens - num,
                                        min_tokens=max(self.sampling.min_tokens - num, 0),
-                                       prompt_logprobs=None)
+                                       prompt_logprobs=None, guided=guided)
         return dataclasses.replace(self, prompt_token_ids=[*self.prompt_token_ids, *token_ids],
                                    sampling=sampling)
 

@@ -40,7 +40,42 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> t.Sampl
         ignore_eos=msg.ignore_eos,
         top_logprobs=msg.top_logprobs if has("top_logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
+        guided=guided_from_pb(msg.guided_decoding) if has("guided_decoding") else None,
     )
+
+
+def guided_from_pb(msg: pb.GuidedDecoding) -> t.GuidedDecoding:
+    """The domain constraint; a message without one, or with an empty one, is refused."""
+    which = msg.WhichOneof("constraint")
+    param = f"guided_decoding.{which}" if which else "guided_decoding"
+    if which is None:
+        raise InvalidRequest("guided_decoding sets no constraint", param=param)
+    kind = t.GuidedKind(which)
+    spec, choices = "", ()
+    if kind is t.GuidedKind.CHOICE:
+        choices = tuple(msg.choice.choices)
+        if not choices:
+            raise InvalidRequest("guided_decoding.choice needs at least one string", param=param)
+    elif kind is t.GuidedKind.JSON_OBJECT:
+        if not msg.json_object:
+            raise InvalidRequest("guided_decoding.json_object must be true when set", param=param)
+    else:
+        spec = getattr(msg, which)
+        if not spec:
+            raise InvalidRequest(f"guided_decoding.{which} must not be empty", param=param)
+    return t.GuidedDecoding(kind, spec, choices, msg.num_output_tokens_in_prompt)
+
+
+def guided_to_pb(guided: t.GuidedDecoding) -> pb.GuidedDecoding:
+    msg = pb.GuidedDecoding(num_output_tokens_in_prompt=guided.num_output_tokens_in_prompt)
+    kind = guided.kind
+    if kind is t.GuidedKind.CHOICE:
+        msg.choice.choices.extend(guided.choices)
+    elif kind is t.GuidedKind.JSON_OBJECT:
+        msg.json_object = True
+    else:
+        setattr(msg, kind.value, guided.spec)
+    return msg
 
 
 def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
@@ -57,6 +92,8 @@ def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
         msg.top_logprobs = params.top_logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.guided is not None:
+        msg.guided_decoding.CopyFrom(guided_to_pb(params.guided))
     return msg
 
 

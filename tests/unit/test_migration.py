@@ -15,6 +15,8 @@ import pytest
 from tandem.engines.types import (
     EngineRequest,
     FinishReason,
+    GuidedDecoding,
+    GuidedKind,
     KvHandle,
     KvLayout,
     PrefillResult,
@@ -348,3 +350,16 @@ async def test_a_failed_prefill_worker_is_skipped_then_the_request_served_aggreg
     assert workers.requests[0][1].kv_handle is None  # aggregated: the decode worker prefills
     assert joined(deltas)[1] == script[:10]
     assert deltas[-1].usage == Usage(len(PROMPT), 10, 3)  # the decode worker's cache hits
+
+
+async def test_a_constrained_request_counts_the_carried_tokens_as_output(
+        tokenizer: Tokenizer, script: list[int]) -> None:
+    # Each continuation tells the worker how many trailing prompt tokens are output already
+    # generated under the grammar, so that it advances the matcher over exactly those.
+    guided = GuidedDecoding(GuidedKind.REGEX, "[a-z ]+")
+    req = dataclasses.replace(request(12), sampling=SamplingParams(max_tokens=12, guided=guided))
+    workers = ScriptedWorkers(script, {"a": (2, "died"), "b": (4, "internal")})
+    await collect(make_pipeline(tokenizer, ScriptedRouter(), workers), req)
+    sent = [r.sampling.guided for _, r in workers.requests]
+    assert [g.num_output_tokens_in_prompt for g in sent if g is not None] == [0, 2, 6]
+    assert all(g is not None and g.grammar_key == guided.grammar_key for g in sent)

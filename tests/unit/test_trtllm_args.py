@@ -191,7 +191,10 @@ async def test_start_builds_the_llm_with_the_merged_args(tiny_model: str) -> Non
         assert llm_args.kv_cache_config.tokens_per_block == 8
         assert llm_args.kv_cache_config.free_gpu_memory_fraction == 0.3
         assert llm_args.kv_cache_config.event_buffer_max_size > 0  # a sink was set
-        assert llm_args.skip_tokenizer_init and llm_args.enable_iter_perf_stats
+        assert llm_args.enable_iter_perf_stats
+        # Guided decoding (on by default) needs TensorRT-LLM to hold the tokenizer.
+        assert llm_args.guided_decoding_backend == "xgrammar"
+        assert not llm_args.skip_tokenizer_init
         assert engine.layout.block_size == 8 and engine.layout.dtype == "bfloat16"
         assert engine.max_model_len == 2048
     finally:

@@ -16,6 +16,7 @@ from tandem.engines.base import Engine, Progress, TransferObserver
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.transfers import KvLoads
+from tandem.engines.guided.matcher import Grammars, Guide
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
     EngineRequest,
@@ -27,7 +28,13 @@ from tandem.engines.types import (
     TokenLogprob,
     Usage,
 )
-from tandem.errors import FailedPrecondition, InvalidRequest, Overloaded, Unavailable
+from tandem.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    Overloaded,
+    TandemError,
+    Unavailable,
+)
 from tandem.kv.block_pool import BlockPool, BlockTable
 from tandem.kv.leases import LeaseTable
 from tandem.kv.transfer import KvTransfer
@@ -53,6 +60,10 @@ def validate_args(args: EngineArgs) -> None:
     if args.num_gpu_blocks < 0:
         raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
                              param="num_gpu_blocks")
+    if args.guided_decoding_backend not in ("xgrammar", "none"):
+        raise InvalidRequest("guided_decoding_backend must be xgrammar or none for this engine, "
+                             f"got '{args.guided_decoding_backend}'",
+                             param="guided_decoding_backend")
 
 
 class BatchingEngine(Engine):
@@ -95,6 +106,8 @@ class BatchingEngine(Engine):
         self._transfer: KvTransfer | None = None
         #: Decode side: reads of prefill workers' KV in flight.
         self.loads = KvLoads(self)
+        #: Guided decoding: built from the model's tokenizer with the first guided request.
+        self._grammars: Grammars | None = None
 
     @property
     def layout(self) -> KvLayout:
@@ -142,9 +155,10 @@ class BatchingEngine(Engine):
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             raise Overloaded(f"the waiting queue is full ({self.args.max_queued_requests} "
                              "requests); retry later")
+        guide = self._new_guide(request)
         stream = RequestStream(request.request_id)
         req = BatchRequest(request, stream, self._request_key(request), self._eos_ids,
-                           self.args.kv_block_size, lease_ms)
+                           self.args.kv_block_size, lease_ms, guide)
         self._requests[request.request_id] = req
         self.scheduler.add(req)
         self._wakeup.set()
@@ -205,6 +219,21 @@ class BatchingEngine(Engine):
                 f"the KV handle lists {len(handle.block_ids)} blocks but {len(prompt)} tokens "
                 f"fill {self.pool.blocks_for(len(prompt))}", param="kv_handle")
         self.transfer  # noqa: B018  (a backend that cannot move KV refuses here, not later)
+
+    def _new_guide(self, request: EngineRequest) -> Guide | None:
+        """The request's grammar guide (None when unconstrained). Compiling happens here, on the
+        loop, once per constraint (the grammars are cached)."""
+        guided = request.sampling.guided
+        if guided is None:
+            return None
+        if self.args.guided_decoding_backend == "none":
+            raise FailedPrecondition("guided decoding is off on this worker "
+                                     "(--guided-decoding-backend none)",
+                                     param="sampling.guided_decoding")
+        if self._grammars is None:
+            self._grammars = Grammars.from_model_dir(self.args.model, self.vocab_size,
+                                                     self._eos_ids)
+        return self._grammars.guide(guided, request.prompt_token_ids)
 
     # ---- disaggregation: the prefill side -----------------------------------------------------
 
@@ -297,6 +326,13 @@ class BatchingEngine(Engine):
         self.scheduler.release(req)
         req.stream.finish(reason, self._usage(req))
 
+    def _fail(self, req: BatchRequest, error: TandemError) -> None:
+        """Ends one request with an error mid-step (as abort does, with the error)."""
+        req.is_finished = True
+        self._requests.pop(req.request_id, None)
+        self.scheduler.drop(req)
+        req.stream.fail(error)
+
     async def close(self) -> None:
         self._closed = True
         for request_id in list(self._requests):
@@ -378,11 +414,23 @@ class BatchingEngine(Engine):
             self.scheduler.compact()
 
     def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None) -> bool:
-        """Appends one output token; True when it finished the request."""
+        """Appends one output token; True when it finished the request.
+
+        A guided request's token first advances its grammar: one the grammar forbids (only a
+        prefill worker's first token can be one: the engine masks what it samples) fails the
+        request; one that completes the grammar (its stop token) finishes it, STOP."""
+        guide = req.guide
+        if guide is not None and not guide.accept(token):
+            self._fail(req, FailedPrecondition(
+                f"token {token} at output position {req.num_output} breaks the request's "
+                f"{req.sampling.guided.kind.value if req.sampling.guided else ''} constraint",
+                param="first_token" if req.num_output == 0 else "sampling.guided_decoding"))
+            return True
         req.token_ids.append(token)
         req.num_output += 1
         req.stream.push(token, logprob if req.sampling.top_logprobs is not None else None)
-        if token in req.stop_ids and req.num_output >= req.min_tokens:
+        if ((token in req.stop_ids and req.num_output >= req.min_tokens)
+                or (guide is not None and guide.is_terminated)):
             self._finish(req, FinishReason.STOP)
             return True
         if req.num_output >= req.sampling.max_tokens:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextvars
 
+from tandem.engines.guided.matcher import Guide
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, SamplingParams, TokenLogprob
 from tandem.kv.block_pool import BlockTable
@@ -23,10 +24,11 @@ class BatchRequest:
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
                  "prompt_logprobs", "kv_handle", "lease_ms", "is_loading", "context",
-                 "embeddings")
+                 "embeddings", "guide")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
-                 eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None) -> None:
+                 eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None,
+                 guide: Guide | None = None) -> None:
         self.request_id = request.request_id
         self.sampling: SamplingParams = request.sampling
         self.stream = stream
@@ -70,6 +72,9 @@ class BatchRequest:
         self.min_tokens = request.sampling.min_tokens
         #: Prompt logprobs computed so far, by position - 1 (engines that compute them).
         self.prompt_logprobs: list[TokenLogprob] = []
+        #: With SamplingParams.guided: where the output stands in its grammar. Moved only by
+        #: emitted tokens (see tandem.engines.guided.matcher).
+        self.guide = guide
 
     @property
     def is_prefilling(self) -> bool:

@@ -2,7 +2,9 @@
 
 It reads only the model's config.json (and tokenizer.json's special tokens), schedules like
 vLLM v1 over a real BlockPool (prefix caching, eviction, preemption, KV events), sleeps for the
-time Dynamo's polynomial perf model gives each step, and emits deterministic tokens.
+time Dynamo's polynomial perf model gives each step, and emits deterministic tokens. A guided
+request's tokens are drawn among those its grammar allows (tandem.engines.mock.guided), so its
+output satisfies its constraint.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.mock import timing
+from tandem.engines.mock.guided import GuidedDraws
 from tandem.engines.mock.sampler import TokenSampler, special_token_ids, stream_key
 from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import InvalidRequest
@@ -39,6 +42,7 @@ class MockEngine(BatchingEngine):
             args.num_gpu_blocks or DEFAULT_NUM_BLOCKS)
         self.model = model
         self.sampler = TokenSampler(model.vocab_size, eos_ids | special_ids)
+        self._guided_draws: GuidedDraws | None = None
 
     def _validate(self, request: EngineRequest) -> None:
         super()._validate(request)
@@ -53,6 +57,13 @@ class MockEngine(BatchingEngine):
                        * layout.head_size * element)
         return SimulatedTransfer(block_bytes, self.args.mock_kv_transfer_gbps)
 
+    def _draw_guided(self, plan: StepPlan) -> dict[int, int]:
+        if self._grammars is None:  # no guided request came yet
+            return {}
+        if self._guided_draws is None:
+            self._guided_draws = GuidedDraws(self._grammars, self._eos_ids)
+        return self._guided_draws.draw(plan.ready)
+
     def _request_key(self, request: EngineRequest) -> int:
         return stream_key(request.prompt_token_ids, request.sampling.seed)
 
@@ -66,9 +77,10 @@ class MockEngine(BatchingEngine):
         await asyncio.sleep(remaining if remaining > 0 else 0)
         sampler = self.sampler
         sampled: list[Sampled] = []
-        for req in plan.ready:
+        guided = self._draw_guided(plan)
+        for row, req in enumerate(plan.ready):
             position = req.num_output
-            token = sampler.draw(req.key, position)
+            token = guided[row] if row in guided else sampler.draw(req.key, position)
             k = req.sampling.top_logprobs
             sampled.append((token, None if k is None else
                             sampler.logprob(req.key, position, token, k)))

@@ -23,8 +23,8 @@ import torch
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
-from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
+from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.encode_engine import (
@@ -38,7 +38,7 @@ from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
-from tandem.errors import InvalidRequest, TandemError
+from tandem.errors import InvalidRequest
 from tandem.kv.transfer import KvTransfer
 from tandem.model.config import ModelConfig
 
@@ -134,13 +134,6 @@ class ReferenceEngine(BatchingEngine):
                 self._fail(req, error)
         return encoded
 
-    def _fail(self, req: BatchRequest, error: TandemError) -> None:
-        """Ends one request with an error mid-step (as abort does, with the error)."""
-        req.is_finished = True
-        self._requests.pop(req.request_id, None)
-        self.scheduler.drop(req)
-        req.stream.fail(error)
-
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         if not plan.scheduled:
             return []
@@ -152,8 +145,9 @@ class ReferenceEngine(BatchingEngine):
                    for req in plan.ready]
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
+        guides = [req.guide for req in plan.ready]
         sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
-                                                      prompt_ids, encoded)
+                                                      prompt_ids, encoded, guides)
         for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
                                                        strict=True):
             # Stored by position, so a recompute after preemption overwrites, never appends.
@@ -165,8 +159,10 @@ class ReferenceEngine(BatchingEngine):
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
                             prompt_ids: list[list[int]], encoded: dict[str, torch.Tensor],
+                            guides: list[Guide | None],
                             ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
-        """Runs in a worker thread: touches tensors only, never request state."""
+        """Runs in a worker thread: touches tensors only, never request state (guides are only
+        read, to fill the step's grammar bitmask while the device computes the logits)."""
         shape = None
         if (self.graphs is not None and inputs.meta.is_decode_only and not inputs.prompt_spans
                 and not inputs.mm_spans):
@@ -177,6 +173,7 @@ class ReferenceEngine(BatchingEngine):
                 return [], []
             # One new token per sequence, but a one-token prompt chunk may not sample yet.
             logits = logits.index_select(0, inputs.sample_rows)
+            self._constrain(logits, guides)
             sampled = [(o.token_id, o.logprob) for o in self.sampler.sample(logits, samples)]
             return sampled, []
         # Spans of requests failed this step are skipped: their rows keep token embeddings.
@@ -191,8 +188,17 @@ class ReferenceEngine(BatchingEngine):
         if not samples:
             return [], prompt_lps
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        self._constrain(logits, guides)
         sampled = [(out.token_id, out.logprob) for out in self.sampler.sample(logits, samples)]
         return sampled, prompt_lps
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, guides: list[Guide | None]) -> None:
+        """Masks, in place, what each guided row's grammar forbids: one bitmask for the batch,
+        filled on the host while the device still computes `logits`, then applied there."""
+        bitmask = fill_bitmask(guides, logits.shape[-1])
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
 
 
 def _device(name: str) -> torch.device:

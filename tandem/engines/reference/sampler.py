@@ -2,7 +2,9 @@
 
 Order of processing for a row (vLLM's): penalties -> min_tokens masking of stop ids -> greedy
 argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> draw. Logprobs come from
-log_softmax of the RAW logits, before any of that (vLLM's default `raw_logprobs` mode).
+log_softmax of the RAW logits, before any of that (vLLM's default `raw_logprobs` mode). A guided
+request's grammar mask is applied to the logits before they reach the sampler (as vLLM), so its
+logprobs are those of the masked logits.
 
 Seeded draws are a pure function of (seed, len(output_ids)): every sampled row reseeds one
 generator from a 64-bit mix of both, so a request draws the same token whatever else is in the
@@ -137,10 +139,12 @@ class Sampler:
         return x
 
     def _mask_stops(self, x: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor:
-        """Stop ids get -inf while a row has fewer than min_tokens outputs."""
+        """Stop ids get -inf while a row has fewer than min_tokens outputs, unless the row is
+        guided: its grammar allows EOS only once complete, and then nothing else."""
         v = x.shape[1]
         flat = [i * v + t for i, r in enumerate(inputs)
-                if len(r.output_ids) < r.params.min_tokens for t in r.stop_ids if 0 <= t < v]
+                if len(r.output_ids) < r.params.min_tokens and r.params.guided is None
+                for t in r.stop_ids if 0 <= t < v]
         if not flat:
             return x
         # Out of place: x may still be the caller's logits.

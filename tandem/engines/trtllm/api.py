@@ -6,7 +6,8 @@ Import paths are upstream's (NVIDIA/TensorRT-LLM): `tensorrt_llm.LLM` and
 engine.py), `tensorrt_llm.sampling_params.SamplingParams`,
 `tensorrt_llm.disaggregated_params.DisaggregatedParams`,
 `tensorrt_llm.llmapi.llm_args.TorchLlmArgs` (the pydantic schema of the LLM's keyword
-arguments). The encode path's helpers (`tensorrt_llm.inputs`, `tensorrt_llm._torch.
+arguments), `tensorrt_llm.sampling_params.GuidedDecodingParams` (structured outputs). The
+encode path's helpers (`tensorrt_llm.inputs`, `tensorrt_llm._torch.
 shared_tensor`) are imported by tandem.engines.trtllm.encode when first used.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class TrtllmApi:
     LLM: Any
     MultimodalEncoder: Any
     SamplingParams: Any
+    GuidedDecodingParams: Any
     DisaggregatedParams: Any
     TorchLlmArgs: Any
     version: str
@@ -58,5 +60,6 @@ def load_api() -> TrtllmApi:
     return TrtllmApi(
         LLM=trtllm.LLM, MultimodalEncoder=trtllm.MultimodalEncoder,
         SamplingParams=sampling.SamplingParams,
+        GuidedDecodingParams=sampling.GuidedDecodingParams,
         DisaggregatedParams=disagg.DisaggregatedParams, TorchLlmArgs=llm_args.TorchLlmArgs,
         version=str(getattr(trtllm, "__version__", "unknown")))

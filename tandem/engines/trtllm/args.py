@@ -70,6 +70,12 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
         out["max_seq_len"] = args.max_seq_len
     if args.enforce_eager:
         out["cuda_graph_config"] = None
+    if args.guided_decoding_backend != "none":
+        out["guided_decoding_backend"] = args.guided_decoding_backend
+        # Upstream builds its grammar backend from the LLM's tokenizer (create_py_executor
+        # asserts one), so the tokenizer is loaded; Tandem still sends token ids and asks for
+        # no detokenization.
+        out["skip_tokenizer_init"] = False
     return out
 
 

@@ -8,9 +8,21 @@ from tandem.errors import FailedPrecondition, InvalidRequest
 
 
 def check_request(request: EngineRequest, layout: KvLayout, max_model_len: int,
-                  vocab_size: int) -> None:
+                  vocab_size: int, guided_backend: str = "xgrammar") -> None:
     """Raises InvalidRequest / FailedPrecondition (see Engine.add_request)."""
     prompt, sampling = request.prompt_token_ids, request.sampling
+    guided = sampling.guided
+    if guided is not None and guided_backend == "none":
+        raise FailedPrecondition("guided decoding is off on this worker "
+                                 "(--guided-decoding-backend none)",
+                                 param="sampling.guided_decoding")
+    if guided is not None and guided.num_output_tokens_in_prompt:
+        # TensorRT-LLM's guided decoder starts its grammar at the first generated token and
+        # takes no tokens to advance it over first.
+        raise FailedPrecondition("the trtllm engine cannot continue a guided request whose "
+                                 "prompt ends with output already generated (a migrated "
+                                 "request)", param="sampling.guided_decoding."
+                                 "num_output_tokens_in_prompt")
     if not prompt:
         raise InvalidRequest("the prompt is empty; at least one token is required",
                              param="prompt_token_ids")

@@ -26,7 +26,7 @@ from tandem.engines.trtllm.checks import check_request
 from tandem.engines.trtllm.encode import encode_images
 from tandem.engines.trtllm.flight import Flight
 from tandem.engines.trtllm.prefill import prefill_result
-from tandem.engines.trtllm.sampling import sampling_kwargs
+from tandem.engines.trtllm.sampling import guided_kwargs, sampling_kwargs
 from tandem.engines.trtllm.telemetry import Telemetry
 from tandem.engines.types import (
     Embedding,
@@ -46,6 +46,9 @@ from tandem.errors import (
 from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+#: --guided-decoding-backend values the trtllm engine takes (TorchLlmArgs' Literal, plus none).
+GUIDED_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
 class TrtllmEngine(Engine):
@@ -247,7 +250,8 @@ class TrtllmEngine(Engine):
         rid = request.request_id
         if rid in self._flights or rid in self._prefills:
             raise InvalidRequest(f"request id '{rid}' is already in flight", param="request_id")
-        check_request(request, self._layout, self._max_model_len, self.model.vocab_size)
+        check_request(request, self._layout, self._max_model_len, self.model.vocab_size,
+                      self.args.guided_decoding_backend)
         if len(self._flights) + len(self._prefills) >= self._max_in_flight:
             raise Overloaded(f"{self._max_in_flight} requests are in flight on this worker; "
                              "retry later")
@@ -255,11 +259,13 @@ class TrtllmEngine(Engine):
     def _submit(self, prompt: list[int], sampling: SamplingParams, streaming: bool,
                 params: Any) -> Any:
         llm = self._require_llm()
+        kwargs = sampling_kwargs(sampling, self.model.eos_token_ids)
         try:
-            result = llm.generate_async(
-                prompt, self.api.SamplingParams(**sampling_kwargs(sampling,
-                                                                  self.model.eos_token_ids)),
-                streaming=streaming, disaggregated_params=params)
+            if sampling.guided is not None:
+                kwargs["guided_decoding"] = self.api.GuidedDecodingParams(
+                    **guided_kwargs(sampling.guided))
+            result = llm.generate_async(prompt, self.api.SamplingParams(**kwargs),
+                                        streaming=streaming, disaggregated_params=params)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"TensorRT-LLM rejected the request: {exc}") from exc
         except RuntimeError as exc:  # "LLM is shutting down"
@@ -284,6 +290,11 @@ def create_trtllm_engine(args: EngineArgs) -> TrtllmEngine:
         Unavailable: TensorRT-LLM is not installed.
         InvalidRequest: a bad flag, YAML file or JSON override, naming the key.
     """
+    if args.guided_decoding_backend not in GUIDED_BACKENDS:
+        raise InvalidRequest(f"guided_decoding_backend must be one of "
+                             f"{', '.join(GUIDED_BACKENDS)} for the trtllm engine, got "
+                             f"'{args.guided_decoding_backend}'",
+                             param="guided_decoding_backend")
     api = load_api()
     model = ModelConfig.from_dir(args.model)
     kwargs = build_llm_kwargs(args, api.TorchLlmArgs)

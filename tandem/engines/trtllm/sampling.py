@@ -1,7 +1,8 @@
 """Tandem's sampling parameters and results in TensorRT-LLM's terms.
 
 Upstream field names: tensorrt_llm/sampling_params.py (SamplingParams; None means "the C++
-runtime default"); results: tensorrt_llm/executor/result.py (CompletionOutput.logprobs is a
+runtime default"; GuidedDecodingParams: json, regex, grammar, json_object, structural_tag, at
+most one set); results: tensorrt_llm/executor/result.py (CompletionOutput.logprobs is a
 list of {token_id: Logprob(logprob, rank)} per generated token, finish_reason one of 'stop',
 'length', 'timeout', 'cancelled').
 """
@@ -10,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.engines.types import FinishReason, SamplingParams, TokenLogprob, TopLogprob
+from tandem.engines.guided.grammar import choice_ebnf
+from tandem.engines.types import (
+    FinishReason,
+    GuidedDecoding,
+    GuidedKind,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 from tandem.errors import DeadlineExceeded, TandemError, Unavailable
 
 #: Most alternatives per token a request may ask for (OpenAI's limit, as the other engines).
@@ -66,6 +75,22 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int]) -> dict[str,
         # so that the sampled token's own logprob comes back (as Dynamo does).
         out["logprobs"] = max(1, params.top_logprobs)
     return out
+
+
+def guided_kwargs(guided: GuidedDecoding) -> dict[str, Any]:
+    """Keyword arguments of TensorRT-LLM's GuidedDecodingParams for a constraint. A JSON schema
+    goes as its text (upstream's `json` takes str, dict or a pydantic model); a choice list,
+    which upstream has no field for, as the EBNF grammar the other engines compile it to."""
+    kind = guided.kind
+    if kind is GuidedKind.JSON_SCHEMA:
+        return {"json": guided.spec}
+    if kind is GuidedKind.JSON_OBJECT:
+        return {"json_object": True}
+    if kind is GuidedKind.REGEX:
+        return {"regex": guided.spec}
+    if kind is GuidedKind.CHOICE:
+        return {"grammar": choice_ebnf(guided.choices)}
+    return {"grammar": guided.spec}
 
 
 def token_logprob(output: Any, position: int, token: int, k: int) -> TokenLogprob | None:

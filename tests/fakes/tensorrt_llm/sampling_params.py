@@ -2,12 +2,33 @@
 
 SamplingParams is a slots + kw_only dataclass upstream, so an unknown keyword is a TypeError;
 the fields below are upstream's names and defaults (max_tokens defaults to 32). Fields that only
-feed the C++ runtime (embedding_bias, logits processors, lookahead, guided decoding, ...) are
-omitted.
+feed the C++ runtime (embedding_bias, logits processors, lookahead, ...) are omitted.
+
+GuidedDecodingParams is upstream's slots + kw_only dataclass with its five guides (json: str,
+dict or pydantic model; regex; grammar: EBNF; json_object; structural_tag) and its `_validate`
+("Only one guide can be used for a request, but got N."), which SamplingParams.__post_init__
+runs through its own `_validate` when `guided_decoding` is set.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: str | dict[str, Any] | Any | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def _validate(self) -> None:
+        num_guides = 0
+        for _field in fields(self):
+            num_guides += bool(getattr(self, _field.name))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -46,6 +67,7 @@ class SamplingParams:
     exclude_input_from_output: bool = True
     return_encoder_output: bool = False
     return_perf_metrics: bool = False
+    guided_decoding: GuidedDecodingParams | None = None
     ignore_eos: bool = False
     detokenize: bool = True
     add_special_tokens: bool = True
@@ -56,3 +78,5 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()

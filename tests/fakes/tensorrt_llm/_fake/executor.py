@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from tensorrt_llm._fake import model
+from tensorrt_llm._fake.guided import FakeGuidedDecoder
 from tensorrt_llm._fake.kv_cache import BlockManager, NoFreeBlocks
 from tensorrt_llm._fake.request import DONE, QUEUED, RUNNING, TRANSFER, FakeRequest
 from tensorrt_llm._fake.settings import knobs
@@ -19,9 +20,11 @@ from tensorrt_llm.executor.result import IterationResult
 
 
 class FakeExecutor:
-    def __init__(self, args: Any, vocab_size: int, max_seq_len: int) -> None:
+    def __init__(self, args: Any, vocab_size: int, max_seq_len: int,
+                 guided: FakeGuidedDecoder | None = None) -> None:
         kv = args.kv_cache_config
         self.args, self.vocab_size = args, vocab_size
+        self.guided = guided
         tpb = kv.tokens_per_block
         self.windows = sorted(set(kv.max_attention_window or [max_seq_len]))
         self._event_id = 0
@@ -117,6 +120,8 @@ class FakeExecutor:
         self._flush_events()
 
     def _admit(self, req: FakeRequest) -> None:
+        if self.guided is not None and req.params.guided_decoding is not None:
+            req.matcher = self.guided.matcher(req.params.guided_decoding)
         try:
             if req.kind == "generation_only":
                 req.blocks = self.blocks.allocate(req.prompt, reuse=False)
@@ -149,6 +154,9 @@ class FakeExecutor:
         req.model_state = model.fold(req.prompt + first[:-1])
         req.tokens = req.prompt + first
         req.num_generated = len(first)
+        if req.matcher is not None:
+            for token in first:
+                req.matcher.accept_token(token)
         req.carried = first
         req.decoding_iter = 1  # the context server's step
         req.state = RUNNING
@@ -171,6 +179,9 @@ class FakeExecutor:
 
     def _sample(self, req: FakeRequest) -> None:
         token = model.sample(req.model_state, self.vocab_size)
+        if req.matcher is not None and self.guided is not None:
+            token = self.guided.pick(req.matcher, token, req.model_state)
+            req.matcher.accept_token(token)
         req.tokens.append(token)
         req.num_generated += 1
         req.pending.append(token)

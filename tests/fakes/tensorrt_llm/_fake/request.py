@@ -32,6 +32,9 @@ class FakeRequest:
     #: Tokens received with the KV that the next response carries first (generation-only).
     carried: list[int] = field(default_factory=list)
     transfer: asyncio.Task[list[int]] | None = None
+    #: With params.guided_decoding on an LLM with a guided decoding backend: its grammar
+    #: matcher (tensorrt_llm._fake.guided).
+    matcher: Any = None
 
     @property
     def stop_ids(self) -> set[int]:

@@ -12,8 +12,8 @@ from tensorrt_llm.llmapi.llm_args import (
     TorchLlmArgs,
 )
 from tensorrt_llm.llmapi.mm_encoder import MultimodalEncoder
-from tensorrt_llm.sampling_params import SamplingParams
+from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = ["LLM", "MultimodalEncoder", "CompletionOutput", "RequestOutput", "RequestError",
            "SamplingParams", "DisaggregatedParams", "KvCacheConfig", "CacheTransceiverConfig",
-           "CudaGraphConfig", "SchedulerConfig", "TorchLlmArgs"]
+           "CudaGraphConfig", "SchedulerConfig", "TorchLlmArgs", "GuidedDecodingParams"]

@@ -12,7 +12,9 @@ must be given when the tokenizer is skipped; on the PyTorch backend a prompt lon
 max_num_tokens is rejected unless chunked prefill is on (generation-only requests exempt);
 `get_stats_async(timeout=2)` / `get_kv_cache_events_async(timeout=2)` return IterationResults
 that exist only once a request was submitted (stats: an empty iterable before; KV events: an
-AssertionError before); `shutdown()`.
+AssertionError before); `shutdown()`. With `guided_decoding_backend` set the LLM needs its
+tokenizer (upstream's create_py_executor asserts one, so `skip_tokenizer_init=True` fails with
+an AssertionError) and builds a guided decoder (tensorrt_llm._fake.guided).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pathlib
 from typing import Any
 
 from tensorrt_llm._fake.executor import FakeExecutor
+from tensorrt_llm._fake.guided import FakeGuidedDecoder
 from tensorrt_llm._fake.request import FakeRequest
 from tensorrt_llm.disaggregated_params import DisaggregatedParams
 from tensorrt_llm.executor.result import EmptyAsyncIterable, GenerationResult, IterationResult
@@ -72,9 +75,13 @@ class LLM:
             tokenizer_revision=tokenizer_revision, **kwargs)
         self._model = _read_model(str(model))
         self._tokenizer = None if skip_tokenizer_init else _FakeTokenizer(self._model["eos"])
+        guided = None
+        if self.args.guided_decoding_backend is not None:
+            assert self._tokenizer is not None  # upstream: get_guided_decoding_config
+            guided = FakeGuidedDecoder(str(model), self._model["vocab_size"], self._model["eos"])
         self._executor: FakeExecutor | None = FakeExecutor(
             self.args, self._model["vocab_size"],
-            self.args.max_seq_len or self._model["max_position_embeddings"])
+            self.args.max_seq_len or self._model["max_position_embeddings"], guided)
 
     @property
     def tokenizer(self) -> Any:
