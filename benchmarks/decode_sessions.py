@@ -15,6 +15,7 @@ import pathlib
 import statistics
 
 from frontend_processes import run_one
+from prometheus_client.parser import text_string_to_metric_families
 
 VARIANTS = {"Decode.Session (default)": {"TANDEM_DECODE_SESSIONS": "true"},
             "Decode.Generate per request": {"TANDEM_DECODE_SESSIONS": "false"}}
@@ -45,6 +46,43 @@ def print_table(rows: dict[str, list[dict]], args: argparse.Namespace) -> None:
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
+HOPS = ("engine_to_send", "send_to_receive", "receive_to_sse")
+
+
+def hop_quantiles(metrics: str, hop: str) -> tuple[float, float, float]:
+    """(mean, p50, p90) in ms of tandem_frontend_token_hop_seconds{hop} (the whole run, warm-up
+    included); quantiles are the upper bounds of the buckets they fall in."""
+    buckets: list[tuple[float, float]] = []
+    count = total = 0.0
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.labels.get("hop") != hop:
+                continue
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                count = s.value
+            elif s.name.endswith("_sum"):
+                total = s.value
+    if not count:
+        return (0.0, 0.0, 0.0)
+    buckets.sort()
+
+    def quantile(q: float) -> float:
+        return 1000 * next(le for le, n in buckets if n >= q * count)
+    return (1000 * total / count, quantile(0.5), quantile(0.9))
+
+
+def print_hops(runs: list[dict]) -> None:
+    print("\nOne streamed token's latency by hop (Decode.Session runs, the frontend's "
+          "tandem_frontend_token_hop_seconds; ms; p50/p90 are bucket upper bounds)\n")
+    print("| run | " + " | ".join(f"{h} mean / p50 / p90" for h in HOPS) + " |")
+    print("|---|" + "---|" * len(HOPS))
+    for i, run in enumerate(runs, 1):
+        cells = ["{:.2f} / {:g} / {:g}".format(*hop_quantiles(run["metrics"], h)) for h in HOPS]
+        print(f"| {i} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--speedup", type=float, default=1.0)
@@ -62,6 +100,7 @@ def main() -> None:
         for name, env in VARIANTS.items():
             rows[name].append(run_one(1, args, log, args.speedup, env))
     print_table(rows, args)
+    print_hops(rows["Decode.Session (default)"])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from _procstats import CLK_TCK, machine_ticks, read_stat
@@ -178,6 +179,8 @@ def run_one(num_frontends: int, args: argparse.Namespace, log: pathlib.Path,
         after = {name: _cpu_ticks(pid) for name, pid in pids.items()}
         machine_after = machine_ticks()
         loadgen_proc.wait(timeout=60)
+        with urllib.request.urlopen(fields["http"] + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
         cpu_s = {name: (after[name] - before[name]) / CLK_TCK for name in pids}
         # Busy counts steal here: time the hypervisor took is time these processes waited.
         busy_ticks = [m[0] + m[2] for m in (machine_before, machine_after)]
@@ -185,7 +188,7 @@ def run_one(num_frontends: int, args: argparse.Namespace, log: pathlib.Path,
         # Everything else on this (shared) machine: other users, loopback softirq, kernel.
         cpu_s["(other, not tandem)"] = max(
             0.0, busy * (os.cpu_count() or 1) * end["seconds"] - sum(cpu_s.values()))
-        return {"frontends": num_frontends, **end, "cpu_s": cpu_s}
+        return {"frontends": num_frontends, **end, "cpu_s": cpu_s, "metrics": metrics}
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
@@ -235,6 +238,7 @@ def main() -> None:
     rows = [run_one(n, args, log) for n in args.frontends]
     print_tables(rows, args)
     if args.json:
+        rows = [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
 
 

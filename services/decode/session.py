@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ class WorkerSession:
         #: Requests refused at the start, to send in the next batch.
         self._refused: list[pb.SessionChunk] = []
         self._wake = asyncio.Event()
+        #: time.time_ns() of the oldest news not yet sent (0: none).
+        self._news_since_ns = 0
         #: The caller sent its last request (half-close) or the call ended.
         self._requests_done = False
 
@@ -91,10 +94,12 @@ class WorkerSession:
                 await self._wake.wait()
                 continue
             news, self._news = self._news, {}
-            batch = pb.SessionBatch(chunks=self._refused)
+            batch = pb.SessionBatch(chunks=self._refused, produced_unix_ns=self._news_since_ns)
+            self._news_since_ns = 0
             self._refused = []
             for request_id, stream in news.items():
                 self._take(request_id, stream, batch.chunks.add(request_id=request_id))
+            batch.sent_unix_ns = time.time_ns()
             yield batch
 
     async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
@@ -140,6 +145,8 @@ class WorkerSession:
 
     def _on_news(self, stream: RequestStream) -> None:
         if stream.request_id in self._running:
+            if not self._news_since_ns:
+                self._news_since_ns = time.time_ns()
             self._news[stream.request_id] = stream
             self._wake.set()
 

@@ -159,8 +159,12 @@ class OpenAIRoutes:
         try:
             if events:
                 await response.write(b"".join(_sse(e) for e in events))
+            if first.received_ns:
+                self.metrics.observe_sse_hop(first.received_ns)
             async for delta in deltas:
                 await response.write(b"".join(_sse(e) for e in responder.delta_events(delta)))
+                if delta.received_ns:
+                    self.metrics.observe_sse_hop(delta.received_ns)
                 usage = delta.usage or usage
         except TandemError as exc:
             status, body = http_error(exc)

@@ -151,16 +151,18 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     tokenizer = Tokenizer.from_dir(model_dir)
     placeholders = ImagePlaceholders.from_dir(model_dir)
     media = MediaFetcher(config.media) if placeholders is not None else None
+    metrics = FrontendMetrics(model.name)
     clients = FrontendClients(
         RouterClient(config.router_address, timeout_s=config.router_timeout_s,
                      max_local_prefill_length=config.max_local_prefill_length, tls=config.tls),
-        DecodeClients(config.tls, config.decode_sessions), PrefillClients(config.tls),
+        DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
+        PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media)
     pipeline = Pipeline(clients.router, clients.decode,
                         lambda req: IncrementalDetokenizer(
                             tokenizer, req.prompt_token_ids, stop=req.stop,
                             skip_special_tokens=req.skip_special_tokens),
-                        FrontendMetrics(model.name), clients.prefill, clients.encode,
+                        metrics, clients.prefill, clients.encode,
                         migration_limit=config.migration_limit)
     images = (ImageSupport(placeholders, media, config.kv_block_size)
               if placeholders is not None and media is not None else None)

@@ -221,6 +221,10 @@ class TokenChunk:
     #: With SamplingParams.prompt_logprobs: one entry per prompt token after the first, on the
     #: first chunk.
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: time.time_ns() when the frontend read this chunk from the decode worker, on one chunk of
+    #: each batch it reads (0 on the others): where the last hop's latency (to the client's
+    #: socket) is measured from.
+    received_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,9 @@ from tandem.engines.types import Usage
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                     60, 120, 300)
+#: Per-hop latency of a streamed token: 25 us to 1 s.
+_HOP_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 750e-6, 0.001, 0.0015, 0.002, 0.003,
+                0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 #: The `status` of a request whose client went away before the answer was complete (nginx's
 #: "client closed request").
@@ -48,6 +51,14 @@ class FrontendMetrics:
         self.migrations = Counter("tandem_frontend_migrations", "Requests moved to another "
                                   "decode worker after their stream broke midway", labels,
                                   registry=r)
+        self.token_hops = Histogram(
+            "tandem_frontend_token_hop_seconds", "Latency of a streamed token by hop: "
+            "engine_to_send (engine step -> decode worker sends the batch), send_to_receive "
+            "(-> this frontend reads it), receive_to_sse (-> its SSE event written to the "
+            "client); one sample per batch read (Decode.Session only)", [*labels, "hop"],
+            buckets=_HOP_BUCKETS, registry=r)
+        self._hops = {hop: self.token_hops.labels(model, hop)
+                      for hop in ("engine_to_send", "send_to_receive", "receive_to_sse")}
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
         self._streamed = self.output_tokens_total.labels(model)
@@ -59,6 +70,15 @@ class FrontendMetrics:
             self._ttft.observe(ttft_s)
         elif num_tokens:
             self._itl.observe(gap_s / num_tokens)
+
+    def observe_batch_hops(self, produced_ns: int, sent_ns: int, received_ns: int) -> None:
+        """The first two hops of a batch read from a decode worker (worker's clock, then ours)."""
+        self._hops["engine_to_send"].observe(max(sent_ns - produced_ns, 0) / 1e9)
+        self._hops["send_to_receive"].observe(max(received_ns - sent_ns, 0) / 1e9)
+
+    def observe_sse_hop(self, received_ns: int) -> None:
+        """The last hop: from reading a chunk to having written its SSE event."""
+        self._hops["receive_to_sse"].observe(max(time.time_ns() - received_ns, 0) / 1e9)
 
     def track(self, endpoint: str) -> RequestTracker:
         """Starts accounting for one request that just arrived."""

@@ -102,6 +102,8 @@ class Delta:
     usage: Usage | None = None
     #: The decode worker producing this answer (its pool too).
     worker: WorkerRef | None = None
+    #: TokenChunk.received_ns of the chunk this delta came from (0: not measured).
+    received_ns: int = 0
 
 
 class RouterPort(Protocol):
@@ -382,17 +384,18 @@ class Pipeline:
                     kept = chunk.token_ids[:max(detok.num_tokens - num_before, 0)]
                     progress.token_ids.extend(kept)
                     yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP,
-                                progress.usage(), worker)
+                                progress.usage(), worker, chunk.received_ns)
                     return
                 progress.token_ids.extend(chunk.token_ids)
                 if chunk.finish_reason is None:
                     if text or chunk.token_ids:
-                        yield Delta(text, chunk.token_ids, chunk.logprobs, worker=worker)
+                        yield Delta(text, chunk.token_ids, chunk.logprobs, worker=worker,
+                                    received_ns=chunk.received_ns)
                     continue
                 if chunk.usage is not None and own_cache:
                     progress.cached_tokens = chunk.usage.cached_tokens
                 yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
-                            chunk.finish_reason, progress.usage(), worker)
+                            chunk.finish_reason, progress.usage(), worker, chunk.received_ns)
                 return
             raise UpstreamError(f"decode worker {worker.address} ended the stream unfinished")
         finally:

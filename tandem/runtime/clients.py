@@ -13,7 +13,7 @@ from opentelemetry.trace import Span, SpanKind
 from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResult, TokenChunk
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import convert, status, tracing
-from tandem.runtime.decode_session import SessionChannel
+from tandem.runtime.decode_session import BatchObserver, SessionChannel
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import (
@@ -231,15 +231,19 @@ class DecodeClients(_Channels):
     Decode.Session stream (tandem.runtime.decode_session); `sessions=False` makes one
     Decode.Generate call per request instead."""
 
-    def __init__(self, tls: TlsConfig | None = None, sessions: bool = True) -> None:
+    def __init__(self, tls: TlsConfig | None = None, sessions: bool = True,
+                 on_batch: BatchObserver | None = None) -> None:
         super().__init__(tls)
         self.sessions = sessions
+        #: Told of every batch a session reads (the per-hop latency metrics).
+        self.on_batch = on_batch
         self._sessions: dict[str, SessionChannel] = {}
 
     def _session(self, address: str) -> SessionChannel:
         session = self._sessions.get(address)
         if session is None or session.closed:
-            session = self._sessions[address] = SessionChannel(self.channel(address), address)
+            session = self._sessions[address] = SessionChannel(self.channel(address), address,
+                                                               self.on_batch)
         return session
 
     async def generate(self, address: str, request: EngineRequest,

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 
 import grpc
@@ -23,6 +24,8 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 ChunkFromPb = Callable[[decode_pb2.GenerateChunk], TokenChunk]
+#: Told of each batch read: (produced_unix_ns, sent_unix_ns) from the worker, and when it was read.
+BatchObserver = Callable[[int, int, int], None]
 
 
 class _Receiver:
@@ -31,12 +34,13 @@ class _Receiver:
     __slots__ = ("chunks", "error", "_waiter")
 
     def __init__(self) -> None:
-        self.chunks: collections.deque[decode_pb2.GenerateChunk] = collections.deque()
+        #: (chunk, received_ns or 0), in order.
+        self.chunks: collections.deque[tuple[decode_pb2.GenerateChunk, int]] = collections.deque()
         self.error: TandemError | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, chunk: decode_pb2.GenerateChunk) -> None:
-        self.chunks.append(chunk)
+    def put(self, chunk: decode_pb2.GenerateChunk, received_ns: int) -> None:
+        self.chunks.append((chunk, received_ns))
         self._wake()
 
     def fail(self, error: TandemError) -> None:
@@ -60,8 +64,10 @@ class _Receiver:
 
 
 class SessionChannel:
-    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str,
+                 on_batch: BatchObserver | None = None) -> None:
         self.address = address
+        self._on_batch = on_batch
         self._call = decode_pb2_grpc.DecodeStub(channel).Session()
         self._outbox: asyncio.Queue[decode_pb2.SessionRequest] = asyncio.Queue()
         self._receivers: dict[str, _Receiver] = {}
@@ -88,7 +94,9 @@ class SessionChannel:
             while True:
                 await receiver.wait()
                 while receiver.chunks:
-                    chunk = from_pb(receiver.chunks.popleft())
+                    message, received_ns = receiver.chunks.popleft()
+                    chunk = from_pb(message)
+                    chunk.received_ns = received_ns
                     finished = chunk.finish_reason is not None
                     yield chunk
                     if finished:
@@ -113,6 +121,10 @@ class SessionChannel:
                 batch = await self._call.read()
                 if batch is grpc.aio.EOF:
                     break
+                # One chunk per batch carries the read time: the last hop is sampled per batch.
+                received_ns = time.time_ns()
+                if batch.produced_unix_ns and self._on_batch is not None:
+                    self._on_batch(batch.produced_unix_ns, batch.sent_unix_ns, received_ns)
                 for item in batch.chunks:
                     receiver = self._receivers.get(item.request_id)
                     if receiver is None:
@@ -121,7 +133,8 @@ class SessionChannel:
                         receiver.fail(status.error_for(item.error.code, item.error.message,
                                                        f"decode worker {self.address}"))
                     else:
-                        receiver.put(item.chunk)
+                        receiver.put(item.chunk, received_ns)
+                        received_ns = 0
         except grpc.aio.AioRpcError as exc:
             error = status.from_rpc_error(exc, f"decode worker {self.address}")
             if not isinstance(error, Unavailable):

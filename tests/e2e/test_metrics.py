@@ -127,6 +127,13 @@ def test_counts_after_a_known_set_of_requests(scrapes: Scrapes) -> None:
     assert total(f, "tandem_frontend_inflight_requests") == 0
     assert total(f, "tandem_frontend_queued_requests") == 0
     assert total(f, "tandem_build_info", service="frontend") == 1
+    # Per-hop latency of streamed tokens: every decode batch gives the worker's two hops; each
+    # streamed HTTP request wrote at least one measured chunk. Loopback hops take far below 1 s.
+    hop = "tandem_frontend_token_hop_seconds"
+    for name, least in (("engine_to_send", 6), ("send_to_receive", 6), ("receive_to_sse", 3)):
+        count = total(f, f"{hop}_count", hop=name)
+        assert count >= least, name
+        assert 0 < total(f, f"{hop}_sum", hop=name) < count, name
 
     r = scrapes.read(scrapes.router)
     # Every successful request was disaggregated: one decode and one prefill pick each.
