@@ -63,6 +63,25 @@ class _Receiver:
             self._waiter = None
 
 
+def _merged(queued: collections.deque[tuple[decode_pb2.GenerateChunk, int]],
+            from_pb: ChunkFromPb) -> TokenChunk:
+    """Takes every queued chunk of one request and joins them (tokens and logprobs in order; the
+    first cached_tokens and read time; the last chunk's finish and usage)."""
+    message, received_ns = queued.popleft()
+    chunk = from_pb(message)
+    chunk.received_ns = received_ns
+    while queued:
+        message, received_ns = queued.popleft()
+        more = from_pb(message)
+        chunk.token_ids += more.token_ids
+        chunk.logprobs += more.logprobs
+        chunk.finish_reason, chunk.usage = more.finish_reason, more.usage
+        if chunk.cached_tokens is None:
+            chunk.cached_tokens = more.cached_tokens
+        chunk.received_ns = chunk.received_ns or received_ns
+    return chunk
+
+
 class SessionChannel:
     def __init__(self, channel: grpc.aio.Channel, address: str,
                  on_batch: BatchObserver | None = None) -> None:
@@ -93,14 +112,15 @@ class SessionChannel:
         try:
             while True:
                 await receiver.wait()
-                while receiver.chunks:
-                    message, received_ns = receiver.chunks.popleft()
-                    chunk = from_pb(message)
-                    chunk.received_ns = received_ns
+                if receiver.chunks:
+                    # Everything that arrived since the last turn, as one chunk: a consumer that
+                    # fell behind catches up with one event, not one per batch it missed.
+                    chunk = _merged(receiver.chunks, from_pb)
                     finished = chunk.finish_reason is not None
                     yield chunk
                     if finished:
                         return
+                    continue
                 if receiver.error is not None:
                     raise receiver.error
         finally:
