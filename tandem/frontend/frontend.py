@@ -61,13 +61,16 @@ class Frontend:
         """The text of one token, as logprobs report it."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
+    async def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
+        """The request's prompt tokens; long texts are encoded off the event loop."""
         if parsed.kind == "chat":
-            return self.tokenizer.apply_chat_template(list(parsed.messages))
+            # As Tokenizer.apply_chat_template: the template writes its own special tokens.
+            text = self.tokenizer.render_chat(list(parsed.messages))
+            return await self.tokenizer.encode_off_loop(text, add_special_tokens=False)
         if isinstance(parsed.prompt, str):
             if not parsed.prompt:
                 raise InvalidRequest("'prompt' must not be empty", param="prompt")
-            return self.tokenizer.encode(parsed.prompt, add_special_tokens=True)
+            return await self.tokenizer.encode_off_loop(parsed.prompt, add_special_tokens=True)
         ids = list(parsed.prompt or ())
         if not ids:
             raise InvalidRequest("'prompt' must not be empty", param="prompt")
@@ -117,7 +120,7 @@ class Frontend:
         tracing.annotate({tracing.MODEL: parsed.model, tracing.OPERATION:
                           "chat" if parsed.kind == "chat" else "text_completion"})
         with tracing.span("tokenize") as span:
-            prompt = self.prompt_token_ids(parsed)
+            prompt = await self.prompt_token_ids(parsed)
             span.set_attribute(tracing.INPUT_TOKENS, len(prompt))
         items: tuple[Embedding, ...] = ()
         block_hashes: tuple[int, ...] = ()
