@@ -16,6 +16,7 @@ from tandem.engines.base import Engine, Progress, TransferObserver
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.transfers import KvLoads
+from tandem.engines.batching.validation import check_kv_handle, check_prompt_and_sampling
 from tandem.engines.guided.matcher import Grammars, Guide
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -41,8 +42,6 @@ from tandem.kv.transfer import KvTransfer
 
 log = logging.getLogger(__name__)
 
-#: Most alternatives per token a request may ask for (OpenAI's limit).
-MAX_TOP_LOGPROBS = 20
 
 #: The token a ready request samples this step, with its logprobs when asked for.
 Sampled = tuple[int, TokenLogprob | None]
@@ -165,60 +164,13 @@ class BatchingEngine(Engine):
         return stream
 
     def _validate(self, request: EngineRequest) -> None:
-        prompt = request.prompt_token_ids
-        sampling = request.sampling
         if request.request_id in self._requests:
             raise InvalidRequest(f"request id '{request.request_id}' is already in flight",
                                  param="request_id")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty; at least one token is required",
-                                 param="prompt_token_ids")
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise InvalidRequest(f"prompt token id {bad} at position {prompt.index(bad)} is "
-                                 f"outside the vocabulary [0, {self.vocab_size})",
-                                 param="prompt_token_ids")
-        if sampling.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}",
-                                 param="max_tokens")
-        if len(prompt) + sampling.max_tokens > self._max_model_len:
-            raise InvalidRequest(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
-                f"{len(prompt) + sampling.max_tokens} tokens, beyond this model's maximum "
-                f"context length of {self._max_model_len} tokens", param="max_tokens")
-        needed = self.pool.blocks_for(len(prompt) + sampling.max_tokens)
-        if needed > self.pool.total:
-            raise InvalidRequest(
-                f"the prompt plus max_tokens needs {needed} KV blocks but this worker has only "
-                f"{self.pool.total}", param="max_tokens")
-        for name in ("top_logprobs", "prompt_logprobs"):
-            k = getattr(sampling, name)
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise InvalidRequest(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
-                                     param=name)
-        handle = request.kv_handle
-        if handle is None:
-            return
-        mismatch = self._layout.mismatch(handle.layout)
-        if mismatch is not None:
-            raise FailedPrecondition(mismatch, param="kv_handle")
-        if handle.backend not in self.accepted_backends:
-            raise FailedPrecondition(
-                f"KV handle transfer backend '{handle.backend}' cannot be used by the "
-                f"{self.name} engine (accepted: {', '.join(sorted(self.accepted_backends))})",
-                param="kv_handle")
-        if request.first_token is None:
-            raise InvalidRequest("a request with a KV handle must carry the prefill worker's "
-                                 "first token", param="first_token")
-        if handle.num_tokens != len(prompt):
-            raise FailedPrecondition(f"the KV handle covers {handle.num_tokens} tokens but the "
-                                     f"prompt has {len(prompt)}", param="kv_handle")
-        if len(handle.block_ids) != self.pool.blocks_for(len(prompt)):
-            raise FailedPrecondition(
-                f"the KV handle lists {len(handle.block_ids)} blocks but {len(prompt)} tokens "
-                f"fill {self.pool.blocks_for(len(prompt))}", param="kv_handle")
-        self.transfer  # noqa: B018  (a backend that cannot move KV refuses here, not later)
+        check_prompt_and_sampling(request, self.vocab_size, self._max_model_len, self.pool)
+        if request.kv_handle is not None:
+            check_kv_handle(request, self._layout, self.accepted_backends, self.name, self.pool)
+            self.transfer  # noqa: B018  (a backend that cannot move KV refuses here, not later)
 
     def _new_guide(self, request: EngineRequest) -> Guide | None:
         """The request's grammar guide (None when unconstrained). Compiling happens here, on the

@@ -1,0 +1,72 @@
+"""Admission checks of the batching engine: what a request must satisfy before it is queued
+(each failure names the request field at fault)."""
+from __future__ import annotations
+
+from tandem.engines.types import EngineRequest, KvLayout
+from tandem.errors import FailedPrecondition, InvalidRequest
+from tandem.kv.block_pool import BlockPool
+
+#: Most alternatives per token a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+def check_prompt_and_sampling(request: EngineRequest, vocab_size: int, max_model_len: int,
+                              pool: BlockPool) -> None:
+    """The prompt's ids are in the vocabulary, and prompt plus max_tokens fit both the model's
+    context and this worker's whole KV pool."""
+    prompt = request.prompt_token_ids
+    sampling = request.sampling
+    if not prompt:
+        raise InvalidRequest("the prompt is empty; at least one token is required",
+                             param="prompt_token_ids")
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidRequest(f"prompt token id {bad} at position {prompt.index(bad)} is "
+                             f"outside the vocabulary [0, {vocab_size})",
+                             param="prompt_token_ids")
+    if sampling.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}",
+                             param="max_tokens")
+    if len(prompt) + sampling.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+            f"{len(prompt) + sampling.max_tokens} tokens, beyond this model's maximum "
+            f"context length of {max_model_len} tokens", param="max_tokens")
+    needed = pool.blocks_for(len(prompt) + sampling.max_tokens)
+    if needed > pool.total:
+        raise InvalidRequest(
+            f"the prompt plus max_tokens needs {needed} KV blocks but this worker has only "
+            f"{pool.total}", param="max_tokens")
+    for name in ("top_logprobs", "prompt_logprobs"):
+        k = getattr(sampling, name)
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
+                                 param=name)
+
+
+def check_kv_handle(request: EngineRequest, layout: KvLayout, accepted_backends: frozenset[str],
+                    engine_name: str, pool: BlockPool) -> None:
+    """A decode request resuming from a prefill worker's KV: the handle's layout and transfer
+    backend suit this engine, and it covers exactly the prompt."""
+    handle = request.kv_handle
+    assert handle is not None
+    prompt = request.prompt_token_ids
+    mismatch = layout.mismatch(handle.layout)
+    if mismatch is not None:
+        raise FailedPrecondition(mismatch, param="kv_handle")
+    if handle.backend not in accepted_backends:
+        raise FailedPrecondition(
+            f"KV handle transfer backend '{handle.backend}' cannot be used by the "
+            f"{engine_name} engine (accepted: {', '.join(sorted(accepted_backends))})",
+            param="kv_handle")
+    if request.first_token is None:
+        raise InvalidRequest("a request with a KV handle must carry the prefill worker's "
+                             "first token", param="first_token")
+    if handle.num_tokens != len(prompt):
+        raise FailedPrecondition(f"the KV handle covers {handle.num_tokens} tokens but the "
+                                 f"prompt has {len(prompt)}", param="kv_handle")
+    if len(handle.block_ids) != pool.blocks_for(len(prompt)):
+        raise FailedPrecondition(
+            f"the KV handle lists {len(handle.block_ids)} blocks but {len(prompt)} tokens "
+            f"fill {pool.blocks_for(len(prompt))}", param="kv_handle")
