@@ -118,7 +118,7 @@ class OpenAIRoutes:
         if client_id:
             log.info("request", extra={"client_request_id": client_id})
         responder = OpenAIResponder(parsed, self.frontend.model.name,
-                                    self.frontend.token_text)
+                                    self.frontend.token_text, self.frontend.chat_output(parsed))
         deltas = self.frontend.generate(gen)
         try:
             if parsed.stream:

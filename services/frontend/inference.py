@@ -1,86 +1,30 @@
 """The public gRPC Inference API: same semantics as the REST API, through the same validation
-(the request becomes an OpenAI body and goes through parse_request)."""
+(the request becomes an OpenAI body and goes through parse_request, see inference_body) and the
+same output parsers (reasoning and tool calls split out of a chat answer's text)."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
 
 import grpc
 
-from tandem.errors import InvalidRequest, Unavailable
+from services.frontend.inference_body import openai_body
+from tandem.engines.types import FinishReason
+from tandem.errors import Unavailable
 from tandem.frontend.auth import ApiKeys
+from tandem.frontend.chat_output import ChatOutput
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
-from tandem.frontend.openai_request import Kind, parse_request
+from tandem.frontend.openai_request import parse_request
+from tandem.frontend.parsers import ToolCallStart
+from tandem.frontend.pipeline import Delta
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
 from tandem.v1 import common_pb2, inference_pb2_grpc
 from tandem.v1 import inference_pb2 as pb
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "repetition_penalty", "frequency_penalty", "presence_penalty")
-
-
-def _message(msg: pb.ChatMessage) -> dict[str, Any]:
-    if not msg.parts:
-        return {"role": msg.role, "content": msg.content}
-    parts = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
-             else {"type": "image_url", "image_url": {"url": p.image_url}} for p in msg.parts]
-    return {"role": msg.role, "content": parts}
-
-
-def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
-    """The equivalent OpenAI body and endpoint kind ("chat" or "completion")."""
-    body: dict[str, Any] = {"model": request.model, "stop": list(request.stop) or None}
-    s = request.sampling
-    for name in _SAMPLING_FIELDS:
-        if s.HasField(name):
-            body[name] = getattr(s, name)
-    if s.stop_token_ids:
-        body["stop_token_ids"] = list(s.stop_token_ids)
-    body["min_tokens"], body["ignore_eos"] = s.min_tokens, s.ignore_eos
-    if s.HasField("guided_decoding"):
-        body.update(_guided_body(s.guided_decoding))
-    if s.HasField("top_logprobs"):
-        body["logprobs"] = True if request.WhichOneof("input") == "chat" else s.top_logprobs
-        if request.WhichOneof("input") == "chat":
-            body["top_logprobs"] = s.top_logprobs
-    router: dict[str, float] = {}
-    if request.sla.HasField("ttft_ms"):
-        router["ttft_target"] = request.sla.ttft_ms
-    if request.sla.HasField("itl_ms"):
-        router["itl_target"] = request.sla.itl_ms
-    if router:
-        body["nvext"] = {"router": router}
-    which = request.WhichOneof("input")
-    if which == "chat":
-        body["messages"] = [_message(m) for m in request.chat.messages]
-        return body, "chat"
-    if which == "prompt":
-        body["prompt"] = request.prompt
-    elif which == "tokens":
-        body["prompt"] = list(request.tokens.token_ids)
-    else:
-        raise InvalidRequest("one of chat, prompt or tokens is required", param="input")
-    return body, "completion"
-
-
-def _guided_body(guided: common_pb2.GuidedDecoding) -> dict[str, Any]:
-    """The OpenAI/vLLM body field of a constraint (checked there like any HTTP request's);
-    num_output_tokens_in_prompt is the frontend's own business, never a client's."""
-    which = guided.WhichOneof("constraint")
-    if which is None or (which == "json_object" and not guided.json_object):
-        raise InvalidRequest("sampling.guided_decoding sets no constraint (json_object must be "
-                             "true when set)", param="sampling.guided_decoding")
-    if which == "json_object":
-        return {"response_format": {"type": "json_object"}}
-    if which == "choice":
-        return {"guided_choice": list(guided.choice.choices)}
-    key = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}
-    return {key[which]: getattr(guided, which)}
-
+__all__ = ["InferenceServicer", "openai_body"]
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, frontend: Frontend, draining: Draining,
@@ -120,6 +64,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         priority = request.priority if request.HasField("priority") else None
         gen = await self.frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
+        output = self.frontend.chat_output(parsed)
         deltas = self.frontend.generate(gen)
         sent_metadata = False
         try:
@@ -130,15 +75,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         ("x-tandem-decode-worker", delta.worker.worker_id),
                         ("x-tandem-pool", delta.worker.pool)))
                     sent_metadata = True
-                chunk = pb.InferenceChunk(request_id=echo_id, text=delta.text,
-                                          token_ids=delta.token_ids)
-                if delta.logprobs:
-                    chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in delta.logprobs)
-                if delta.finish_reason is not None:
-                    chunk.finish_reason = convert.finish_to_pb(delta.finish_reason)
-                    if delta.usage is not None:
-                        chunk.usage.CopyFrom(convert.usage_to_pb(delta.usage))
-                yield chunk
+                yield _chunk(echo_id, delta, output)
         finally:
             await deltas.aclose()
 
@@ -148,3 +85,29 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         model = self.frontend.model
         return pb.ListModelsResponse(models=[pb.ModelCard(id=model.name,
                                                           max_model_len=model.max_model_len)])
+
+
+def _chunk(request_id: str, delta: Delta, output: ChatOutput) -> pb.InferenceChunk:
+    """The chunk of one delta; the last one flushes what the output parsers held back."""
+    chunk = pb.InferenceChunk(request_id=request_id, token_ids=delta.token_ids)
+    if output.is_plain:
+        chunk.text = delta.text
+    else:
+        out = output.feed(delta.text)
+        if delta.finish_reason is not None:
+            out.extend(output.finish())
+        chunk.text, chunk.reasoning_text = out.content, out.reasoning
+        chunk.tool_calls.extend(
+            pb.ToolCallDelta(index=e.index, id=e.id, name=e.name)
+            if isinstance(e, ToolCallStart) else pb.ToolCallDelta(index=e.index,
+                                                                  arguments=e.fragment)
+            for e in out.calls)
+    if delta.logprobs:
+        chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in delta.logprobs)
+    if delta.finish_reason is not None:
+        chunk.finish_reason = convert.finish_to_pb(delta.finish_reason)
+        if output.num_calls and delta.finish_reason is not FinishReason.LENGTH:
+            chunk.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+        if delta.usage is not None:
+            chunk.usage.CopyFrom(convert.usage_to_pb(delta.usage))
+    return chunk

@@ -14,11 +14,14 @@ from prometheus_client import start_http_server
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
 from services.frontend.supervisor import supervise
+from tandem.errors import InvalidRequest
 from tandem.frontend.admission import Admission
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.frontend import Frontend, ImageSupport, ModelInfo
 from tandem.frontend.metrics import FrontendMetrics
+from tandem.frontend.output_parsers import OutputParsers
+from tandem.frontend.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tandem.frontend.pipeline import Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
@@ -68,6 +71,15 @@ class FrontendConfig:
     max_seq_len: int = 0
     #: Most messages in one chat request (more: 400).
     max_messages: int = 1000
+    #: Parser of the model's tool-call markup for tool_choice "auto": hermes (Qwen2.5/Qwen3,
+    #: Hermes), llama3_json (Llama 3.1+), mistral, pythonic (Llama 4, Llama 3.2), deepseek_v3
+    #: (DeepSeek-V3/R1) or harmony (gpt-oss, with --reasoning-parser gpt_oss); "": none, and
+    #: requests that leave the choice to the model get a 400 (tool_choice required or a named
+    #: function still works: a JSON grammar enforces it).
+    tool_call_parser: str = ""
+    #: Parser that splits reasoning off into reasoning_content: deepseek_r1 (DeepSeek-R1, Qwen3
+    #: Thinking-2507), qwen3 (Qwen3 with enable_thinking) or gpt_oss; "": none.
+    reasoning_parser: str = ""
     # == routing ==
     #: The router's gRPC address, host:port.
     router_address: str = "127.0.0.1:9100"
@@ -142,6 +154,19 @@ class FrontendClients:
             await self.media.close()
 
 
+def output_parsers(config: FrontendConfig, tokenizer: Tokenizer) -> OutputParsers:
+    """--tool-call-parser and --reasoning-parser; InvalidRequest naming the flag for an
+    unknown parser."""
+    for param, name, known in (("tool_call_parser", config.tool_call_parser, TOOL_PARSER_NAMES),
+                               ("reasoning_parser", config.reasoning_parser,
+                                REASONING_PARSER_NAMES)):
+        if name and name not in known:
+            raise InvalidRequest(f"--{param.replace('_', '-')} {name!r} is not a parser; valid "
+                                 f"names: {', '.join(known)}", param=param)
+    return OutputParsers.build(config.tool_call_parser, config.reasoning_parser,
+                               tokenizer.special_texts)
+
+
 def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     """Call on the event loop (the media fetcher's HTTP session belongs to it)."""
     model_dir = pathlib.Path(config.model) if config.model else ensure_demo_model()
@@ -169,7 +194,8 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images,
                         max_messages=config.max_messages,
                         admission=Admission(config.max_inflight_requests,
-                                            config.max_queued_requests))
+                                            config.max_queued_requests),
+                        parsers=output_parsers(config, tokenizer))
     return frontend, clients
 
 

@@ -20,6 +20,19 @@ _SAMPLING: dict[str, Any] = {
     "top_k": {"type": "integer"}, "min_p": _NUMBER, "repetition_penalty": _NUMBER,
     "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
 }
+_TOOL = {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"type": "string", "enum": ["function"]}, "function": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                       "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
+}
+_TOOL_CHOICE = {"oneOf": [
+    {"type": "string", "enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}}}}}]}
 _MESSAGE = {
     "type": "object", "required": ["role", "content"],
     "properties": {
@@ -54,7 +67,12 @@ def openapi_document() -> dict[str, Any]:
     chat = {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
         "max_completion_tokens": {"type": "integer", "nullable": True},
-        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer"}, **_SAMPLING}}
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer"},
+        "tools": {"type": "array", "items": _TOOL}, "tool_choice": _TOOL_CHOICE,
+        "parallel_tool_calls": {"type": "boolean"},
+        "chat_template_kwargs": {"type": "object"},
+        "reasoning_effort": {"type": "string", "enum": ["low", "medium", "high"]},
+        **_SAMPLING}}
     completion = {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"},
         "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},

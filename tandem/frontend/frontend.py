@@ -1,6 +1,7 @@
 """The frontend's request logic, shared by the OpenAI REST API and the public gRPC API:
-model check, image fetching, tokenization (image placeholders expanded), context-length limits,
-and the request pipeline."""
+model check, image fetching, tokenization (image placeholders expanded, tools and template
+variables rendered by the chat template), context-length limits, the output parsers, and the
+request pipeline."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from tandem.engines.types import Embedding
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.admission import Admission
+from tandem.frontend.chat_output import ChatOutput
 from tandem.frontend.openai_request import ParsedRequest
+from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.pipeline import Delta, GenerationRequest, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.multimodal.fetch import MediaFetcher
@@ -44,7 +47,8 @@ class Frontend:
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, pipeline: Pipeline,
                  request_timeout_s: float | None = None,
                  images: ImageSupport | None = None, max_messages: int = 1000,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None,
+                 parsers: OutputParsers | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -56,6 +60,12 @@ class Frontend:
         self.admission = admission or Admission()
         #: Most messages in one chat request: bounds the template and tokenizer work.
         self.max_messages = max_messages
+        #: --tool-call-parser and --reasoning-parser; none by default.
+        self.parsers = parsers or OutputParsers(special_texts=tokenizer.special_texts)
+
+    def chat_output(self, parsed: ParsedRequest) -> ChatOutput:
+        """The splitter of `parsed`'s answer into reasoning, content and tool calls."""
+        return self.parsers.new_output(parsed)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it."""
@@ -65,7 +75,9 @@ class Frontend:
         """The request's prompt tokens; long texts are encoded off the event loop."""
         if parsed.kind == "chat":
             # As Tokenizer.apply_chat_template: the template writes its own special tokens.
-            text = self.tokenizer.render_chat(list(parsed.messages))
+            tools = parsed.tools.template_tools if parsed.tools is not None else None
+            text = self.tokenizer.render_chat(list(parsed.messages), tools=tools,
+                                              variables=parsed.template_variables())
             return await self.tokenizer.encode_off_loop(text, add_special_tokens=False)
         if isinstance(parsed.prompt, str):
             if not parsed.prompt:
@@ -80,6 +92,21 @@ class Frontend:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (size {vocab})",
                                  param="prompt")
         return ids
+
+    def _check_chat_features(self, parsed: ParsedRequest) -> None:
+        """Refuses what this model and deployment would drop without a word: tools the model's
+        chat template never renders (unless tool_choice is "none"), a reasoning_effort it never
+        reads, tool_choice "auto" without a tool-call parser."""
+        self.parsers.check(parsed)
+        tools = parsed.tools
+        if (tools is not None and tools.choice != "none" and self.tokenizer.has_chat_template
+                and not self.tokenizer.template_reads("tools")):
+            raise InvalidRequest(f"model {self.model.name}'s chat template does not render "
+                                 "tools, so the model would never see them", param="tools")
+        if (parsed.reasoning_effort is not None and self.tokenizer.has_chat_template
+                and not self.tokenizer.template_reads("reasoning_effort")):
+            raise InvalidRequest(f"model {self.model.name}'s chat template does not read "
+                                 "reasoning_effort", param="reasoning_effort")
 
     @staticmethod
     async def _with_images(support: ImageSupport, parsed: ParsedRequest, token_ids: list[int]
@@ -113,6 +140,7 @@ class Frontend:
         if len(parsed.messages) > self.max_messages:
             raise InvalidRequest(f"'messages' may hold at most {self.max_messages} messages, got "
                                  f"{len(parsed.messages)}", param="messages")
+        self._check_chat_features(parsed)
         support = self.images
         if parsed.images and support is None:
             raise InvalidRequest(f"model '{self.model.name}' does not accept images",
@@ -142,7 +170,7 @@ class Frontend:
             prompt_token_ids=prompt,
             sampling=parsed.sampling(max_tokens),
             stop=parsed.stop,
-            skip_special_tokens=parsed.skip_special_tokens,
+            skip_special_tokens=self.parsers.skip_special_tokens(parsed),
             sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms, priority),
             deadline=time.monotonic() + min(limits) if limits else None,
             embeddings=items,

@@ -5,7 +5,8 @@ client parses. They run once per streamed chunk, so they are flat dict literals 
 validation: the caller passes the completion id, model and `created` it fixed once per request
 (`new_completion_id`, `created_now`).
 
-Finish reasons: STOP -> "stop", LENGTH -> "length", CANCELLED -> "stop". OpenAI has no
+Finish reasons: STOP -> "stop", LENGTH -> "length", CANCELLED -> "stop"; an answer that called
+tools and was not cut by its length ends "tool_calls" (`finish_text`). OpenAI has no
 "cancelled"; a cancelled stream normally has no reader left, and a non-standard value would break
 clients that validate the field (vLLM's "abort" does), so like Dynamo we report "stop". A frontend
 that must tell a client its request was cut short (a deadline) should send an error instead.
@@ -32,6 +33,14 @@ FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.CANCELLED: "stop",
 }
 MIN_LOGPROB = -9999.0
+
+
+def finish_text(reason: FinishReason, made_calls: bool = False) -> str:
+    """The finish_reason string: "tool_calls" for an answer that called tools (unless cut by
+    max_tokens or the context: then "length", as vLLM)."""
+    if made_calls and reason is not FinishReason.LENGTH:
+        return "tool_calls"
+    return FINISH_REASONS[reason]
 
 
 def new_completion_id(kind: str) -> str:
@@ -128,10 +137,31 @@ def _body(obj: str, completion_id: str, model: str, created: int, choices: list[
 
 
 def _choice(key: str, value: object, logprobs: JsonDict | None,
-            finish_reason: FinishReason | None) -> list[JsonDict]:
+            finish_reason: FinishReason | str | None) -> list[JsonDict]:
     """choices for one answer: {"index": 0, key: value, "logprobs", "finish_reason"}."""
-    return [{"index": 0, key: value, "logprobs": logprobs,
-             "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}]
+    if isinstance(finish_reason, FinishReason):
+        finish_reason = FINISH_REASONS[finish_reason]
+    return [{"index": 0, key: value, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+
+# --- tool calls ---------------------------------------------------------------------------------
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> JsonDict:
+    """An entry of a non-streamed message's tool_calls."""
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_start(index: int, call_id: str, name: str) -> JsonDict:
+    """A streamed call's first delta.tool_calls entry: id, type and name, no arguments yet."""
+    return {"index": index, "id": call_id, "type": "function",
+            "function": {"name": name, "arguments": ""}}
+
+
+def tool_call_arguments(index: int, fragment: str) -> JsonDict:
+    """A later delta.tool_calls entry: a fragment of call `index`'s arguments."""
+    return {"index": index, "function": {"arguments": fragment}}
 
 
 # --- chat ---------------------------------------------------------------------------------------
@@ -145,11 +175,20 @@ def chat_completion(
     finish_reason: FinishReason,
     usage: Usage,
     logprobs: JsonDict | None = None,
+    tool_calls: list[JsonDict] | None = None,
+    reasoning: str | None = None,
 ) -> JsonDict:
-    """A non-streamed chat.completion; `logprobs` from `chat_logprobs` when asked for."""
-    message = {"role": "assistant", "content": text}
+    """A non-streamed chat.completion; `logprobs` from `chat_logprobs` when asked for,
+    `tool_calls` from `tool_call`, `reasoning` (reasoning_content) from a reasoning parser.
+    A message with calls and no text has content null."""
+    message: JsonDict = {"role": "assistant", "content": text or (None if tool_calls else "")}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     return _body("chat.completion", completion_id, model, created,
-                 _choice("message", message, logprobs, finish_reason), usage)
+                 _choice("message", message, logprobs,
+                         finish_text(finish_reason, bool(tool_calls))), usage)
 
 
 def chat_chunk_first(completion_id: str, model: str, created: int) -> JsonDict:
@@ -166,12 +205,21 @@ def chat_chunk(
                  _choice("delta", {"content": text}, logprobs, None))
 
 
+def chat_chunk_delta(completion_id: str, model: str, created: int, delta: JsonDict,
+                     logprobs: JsonDict | None = None) -> JsonDict:
+    """A chat.completion.chunk with any delta: {"reasoning_content"}, {"content"} or
+    {"tool_calls": [tool_call_start(...)]} / [tool_call_arguments(...)]."""
+    return _body("chat.completion.chunk", completion_id, model, created,
+                 _choice("delta", delta, logprobs, None))
+
+
 def chat_chunk_last(
-    completion_id: str, model: str, created: int, finish_reason: FinishReason
+    completion_id: str, model: str, created: int, finish_reason: FinishReason,
+    made_calls: bool = False,
 ) -> JsonDict:
     """The chunk that ends a chat stream: empty delta and the finish reason."""
     return _body("chat.completion.chunk", completion_id, model, created,
-                 _choice("delta", {}, None, finish_reason))
+                 _choice("delta", {}, None, finish_text(finish_reason, made_calls)))
 
 
 def chat_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:

@@ -51,8 +51,10 @@ class Tokenizer:
         self._vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         bos = hf_tokenizer.bos_token_id
         self._bos_token_id = bos if isinstance(bos, int) else None
-        self._special_ids = frozenset(
-            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        specials = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                    if t.special}
+        self._special_ids = frozenset(specials)
+        self._special_texts = frozenset(specials.values())
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> Tokenizer:
@@ -93,6 +95,18 @@ class Tokenizer:
         return bool(self._hf.chat_template)
 
     @property
+    def special_texts(self) -> frozenset[str]:
+        """The text of every special token (what skip_special_tokens removes)."""
+        return self._special_texts
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template mentions `variable` (e.g. "tools", "reasoning_effort"): a
+        template that does not would drop it without a word."""
+        template = self._hf.chat_template
+        sources = template.values() if isinstance(template, dict) else [template or ""]
+        return any(variable in source for source in sources)
+
+    @property
     def hf(self) -> Any:
         """The transformers tokenizer, for the rare call this class does not wrap."""
         return self._hf
@@ -119,9 +133,13 @@ class Tokenizer:
         return ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text the model's chat template makes of `messages`.
 
+        `tools` (OpenAI's tool objects) and `variables` (extra template variables, e.g.
+        enable_thinking) reach the template as transformers' apply_chat_template passes them.
         Raises InvalidRequest (param "messages") when the model has no chat template or the
         template rejects the messages."""
         if not self.has_chat_template:
@@ -130,7 +148,9 @@ class Tokenizer:
                 "messages", param="messages")
         try:
             text = self._hf.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+                list(messages), tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(variables or {}))
         except _TEMPLATE_ERRORS as exc:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}",
                                  param="messages") from exc

@@ -57,6 +57,12 @@ class Deployment:
     engine: str = "reference"
     #: Name clients pass as `model`; unset: the model directory's name.
     served_model_name: str = ""
+    #: Frontend: parser of the model's tool-call markup (hermes, llama3_json, mistral,
+    #: pythonic, deepseek_v3, harmony); "": none (tool_choice "auto" is refused).
+    tool_call_parser: str = ""
+    #: Frontend: parser that splits reasoning into reasoning_content (deepseek_r1, qwen3,
+    #: gpt_oss); "": none.
+    reasoning_parser: str = ""
     # == routing ==
     #: The router's policy for the decode pool: round_robin, random, least_loaded,
     #: power_of_two or kv.
@@ -213,6 +219,10 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
+    if d.tool_call_parser:
+        frontend_flags += ["--tool-call-parser", d.tool_call_parser]
+    if d.reasoning_parser:
+        frontend_flags += ["--reasoning-parser", d.reasoning_parser]
     if d.api_keys:
         frontend_flags += ["--api-keys", *d.api_keys]
     if d.api_keys_file:

@@ -130,7 +130,7 @@ BAD: list[tuple[str, Any, dict[str, str], str | None, str]] = [
     ("completion", comp(prompt=5), {}, "prompt", "got integer"),
     ("completion", comp(prompt={"text": "hi"}), {}, "prompt", "got object"),
     ("completion", comp(echo=True), {}, "echo", "not supported"),
-    ("completion", comp(echo="no"), {}, "echo", "boolean"),
+    ("completion", comp(echo="no"), {}, "echo", "not supported"),
     ("completion", comp(best_of=2), {}, "best_of", "not supported"),
     ("completion", comp(suffix="end"), {}, "suffix", "not supported"),
     ("chat", chat(nvext=3), {}, "nvext", "object"),
@@ -187,7 +187,9 @@ def test_chat_messages_text_parts_roles_and_extra_fields() -> None:
             {"role": "developer", "content": "be brief"},
             {"role": "user", "name": "ann", "content": [
                 {"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "t", "type": "function",
+                 "function": {"name": "f", "arguments": '{"x": 1}'}}]},
             {"role": "tool", "tool_call_id": "t", "content": "42"},
         ],
         user="someone", logit_bias={}, frobnicate=True,
@@ -195,8 +197,9 @@ def test_chat_messages_text_parts_roles_and_extra_fields() -> None:
     assert oai_request.parse_request(body, "chat").messages == (
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": "one\ntwo"},
-        {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "t"},
     )
 
 

@@ -48,6 +48,7 @@ _CALL = re.compile(r"\s*" + re.escape(CALL_BEGIN) + "(.*?)" + re.escape(CALL_END
 
 class DeepSeekV3Format(ToolFormat):
     markers: ClassVar[tuple[str, ...]] = (CALLS_BEGIN,)
+    inner_markup: ClassVar[tuple[str, ...]] = (CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def read_region(self, buf: str, pos: Position, eof: bool,
                     memo: RegionMemo) -> Region | Fallback | None:

@@ -40,6 +40,7 @@ _ID = re.compile(r"\w*")
 
 class MistralFormat(ToolFormat):
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS,)
+    inner_markup: ClassVar[tuple[str, ...]] = (CALL_ID, ARGS)
 
     def read_region(self, buf: str, pos: Position, eof: bool,
                     memo: RegionMemo) -> Region | Fallback | None:

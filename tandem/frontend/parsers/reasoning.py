@@ -52,9 +52,13 @@ def collect_reasoning(deltas: Iterable[ReasoningDelta], found_reasoning: bool) -
 class ReasoningParser:
     """A reasoning format picked by name: `parse` for whole outputs, `stream` for deltas."""
 
-    def __init__(self, name: str, new_stream: Callable[[], ReasoningStream]) -> None:
+    def __init__(self, name: str, new_stream: Callable[[], ReasoningStream],
+                 markers: tuple[str, ...] = ()) -> None:
         self.name = name
         self._new_stream = new_stream
+        #: The tags this format reads (special tokens in some families: the text must then be
+        #: decoded with special tokens kept).
+        self.markers = markers
 
     def stream(self) -> ReasoningStream:
         """A fresh per-request streaming splitter."""

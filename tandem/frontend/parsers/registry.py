@@ -10,12 +10,13 @@ from collections.abc import Callable
 from tandem.frontend.parsers.deepseek_v3 import DeepSeekV3Format
 from tandem.frontend.parsers.gpt_oss import HarmonyReasoningStream
 from tandem.frontend.parsers.harmony import HarmonyFormat
+from tandem.frontend.parsers.harmony_text import ALL_MARKERS
 from tandem.frontend.parsers.hermes import HermesFormat
 from tandem.frontend.parsers.llama3_json import Llama3JsonFormat
 from tandem.frontend.parsers.mistral import MistralFormat
 from tandem.frontend.parsers.pythonic import PythonicFormat
 from tandem.frontend.parsers.reasoning import ReasoningParser, ReasoningStream
-from tandem.frontend.parsers.think import ThinkStream
+from tandem.frontend.parsers.think import CLOSE, OPEN, ThinkStream
 from tandem.frontend.parsers.tool_format import ToolFormat
 from tandem.frontend.parsers.tool_stream import ToolParser
 
@@ -33,6 +34,9 @@ _REASONING_STREAMS: dict[str, Callable[[], ReasoningStream]] = {
     "qwen3": lambda: ThinkStream(implicit_open=False),
     "gpt_oss": HarmonyReasoningStream,
 }
+
+_REASONING_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseek_r1": (OPEN, CLOSE), "qwen3": (OPEN, CLOSE), "gpt_oss": ALL_MARKERS}
 
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_TOOL_FORMATS)
 REASONING_PARSER_NAMES: tuple[str, ...] = tuple(_REASONING_STREAMS)
@@ -53,4 +57,4 @@ def reasoning_parser(name: str) -> ReasoningParser:
     if factory is None:
         raise ValueError(f"unknown reasoning parser {name!r}; "
                          f"valid names: {', '.join(REASONING_PARSER_NAMES)}")
-    return ReasoningParser(name, factory)
+    return ReasoningParser(name, factory, _REASONING_MARKERS[name])

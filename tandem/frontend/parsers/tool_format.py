@@ -82,6 +82,9 @@ class ToolFormat(ABC):
 
     #: Strings that open a region wherever they appear (special tokens of the family).
     markers: ClassVar[tuple[str, ...]] = ()
+    #: Markup read inside a region besides the markers (Mistral's `[ARGS]`): with the markers,
+    #: every string the text must keep when special tokens are otherwise removed.
+    inner_markup: ClassVar[tuple[str, ...]] = ()
     #: Whether a region may also open without a marker at START/AFTER_CALL (JSON, Python list);
     #: the driver then releases leading whitespace separately so the region sees its first char.
     implicit_start: ClassVar[bool] = False

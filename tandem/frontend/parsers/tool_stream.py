@@ -161,6 +161,12 @@ class ToolParser:
         self.name = name
         self._fmt = fmt
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every markup string this format reads (special tokens in some families: the text
+        must then be decoded with special tokens kept)."""
+        return (*self._fmt.markers, *self._fmt.inner_markup)
+
     def stream(self) -> ToolCallStream:
         """A fresh per-request streaming splitter."""
         return ToolCallStream(self._fmt)
