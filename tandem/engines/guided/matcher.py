@@ -150,11 +150,22 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tenso
         return None
     import xgrammar
 
+    global _batch_matcher
     bitmask = xgrammar.allocate_token_bitmask(len(guides), vocab_size)
-    for row, guide in enumerate(guides):
-        if guide is not None:
-            guide.fill(bitmask, row)
+    rows = [row for row, guide in enumerate(guides) if guide is not None]
+    if len(rows) == 1:
+        guides[rows[0]].fill(bitmask, rows[0])  # type: ignore[union-attr]
+        return bitmask
+    # Several rows: one call into xgrammar, which fills them on its own threads (GIL released).
+    if _batch_matcher is None:
+        _batch_matcher = xgrammar.BatchGrammarMatcher()
+    _batch_matcher.batch_fill_next_token_bitmask(
+        [guides[row].matcher for row in rows], bitmask, rows)  # type: ignore[union-attr]
     return bitmask
+
+
+#: xgrammar's batch filler (its thread pool), made on first use.
+_batch_matcher: Any = None
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
