@@ -10,10 +10,9 @@ from tandem.kv.block_pool import BlockPool
 MAX_TOP_LOGPROBS = 20
 
 
-def check_prompt_and_sampling(request: EngineRequest, vocab_size: int, max_model_len: int,
-                              pool: BlockPool) -> None:
-    """The prompt's ids are in the vocabulary, and prompt plus max_tokens fit both the model's
-    context and this worker's whole KV pool."""
+def check_prompt_and_length(request: EngineRequest, vocab_size: int, max_model_len: int) -> None:
+    """The prompt is non-empty with ids in the vocabulary, and prompt plus max_tokens fit the
+    model's context (every engine's first checks)."""
     prompt = request.prompt_token_ids
     sampling = request.sampling
     if not prompt:
@@ -33,16 +32,26 @@ def check_prompt_and_sampling(request: EngineRequest, vocab_size: int, max_model
             f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
             f"{len(prompt) + sampling.max_tokens} tokens, beyond this model's maximum "
             f"context length of {max_model_len} tokens", param="max_tokens")
-    needed = pool.blocks_for(len(prompt) + sampling.max_tokens)
+
+
+def check_top_logprobs(name: str, k: int | None) -> None:
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
+                             param=name)
+
+
+def check_prompt_and_sampling(request: EngineRequest, vocab_size: int, max_model_len: int,
+                              pool: BlockPool) -> None:
+    """check_prompt_and_length, and prompt plus max_tokens fit this worker's whole KV pool."""
+    check_prompt_and_length(request, vocab_size, max_model_len)
+    sampling = request.sampling
+    needed = pool.blocks_for(len(request.prompt_token_ids) + sampling.max_tokens)
     if needed > pool.total:
         raise InvalidRequest(
             f"the prompt plus max_tokens needs {needed} KV blocks but this worker has only "
             f"{pool.total}", param="max_tokens")
-    for name in ("top_logprobs", "prompt_logprobs"):
-        k = getattr(sampling, name)
-        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
-                                 param=name)
+    check_top_logprobs("top_logprobs", sampling.top_logprobs)
+    check_top_logprobs("prompt_logprobs", sampling.prompt_logprobs)
 
 
 def check_kv_handle(request: EngineRequest, layout: KvLayout, accepted_backends: frozenset[str],

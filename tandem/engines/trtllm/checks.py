@@ -2,7 +2,7 @@
 request, with errors that name the field at fault."""
 from __future__ import annotations
 
-from tandem.engines.trtllm.sampling import MAX_TOP_LOGPROBS
+from tandem.engines.batching.validation import check_prompt_and_length, check_top_logprobs
 from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import FailedPrecondition, InvalidRequest
 
@@ -23,29 +23,11 @@ def check_request(request: EngineRequest, layout: KvLayout, max_model_len: int,
                                  "prompt ends with output already generated (a migrated "
                                  "request)", param="sampling.guided_decoding."
                                  "num_output_tokens_in_prompt")
-    if not prompt:
-        raise InvalidRequest("the prompt is empty; at least one token is required",
-                             param="prompt_token_ids")
-    low, high = min(prompt), max(prompt)
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise InvalidRequest(f"prompt token id {bad} at position {prompt.index(bad)} is outside "
-                             f"the vocabulary [0, {vocab_size})", param="prompt_token_ids")
-    if sampling.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}",
-                             param="max_tokens")
-    if len(prompt) + sampling.max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
-            f"{len(prompt) + sampling.max_tokens} tokens, beyond this model's maximum context "
-            f"length of {max_model_len} tokens", param="max_tokens")
+    check_prompt_and_length(request, vocab_size, max_model_len)
     if sampling.prompt_logprobs is not None:
         raise InvalidRequest("the trtllm engine does not return prompt logprobs yet",
                              param="prompt_logprobs")
-    k = sampling.top_logprobs
-    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
-                             param="top_logprobs")
+    check_top_logprobs("top_logprobs", sampling.top_logprobs)
     handle = request.kv_handle
     if handle is None:
         return

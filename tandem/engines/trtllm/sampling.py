@@ -22,9 +22,6 @@ from tandem.engines.types import (
 )
 from tandem.errors import DeadlineExceeded, TandemError, Unavailable
 
-#: Most alternatives per token a request may ask for (OpenAI's limit, as the other engines).
-MAX_TOP_LOGPROBS = 20
-
 _FINISH: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
