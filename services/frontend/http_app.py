@@ -117,9 +117,9 @@ class OpenAIRoutes:
         client_id = request.headers.get("x-request-id")
         if client_id:
             log.info("request", extra={"client_request_id": client_id})
-        responder = OpenAIResponder(parsed, self.frontend.model.name,
-                                    self.frontend.token_text, self.frontend.chat_output(parsed))
-        deltas = self.frontend.generate(gen)
+        responder = OpenAIResponder(parsed, self.frontend.model.name, self.frontend.token_text,
+                                    lambda: self.frontend.chat_output(parsed))
+        deltas = self.frontend.generate_choices(gen, parsed.num_generated)
         try:
             if parsed.stream:
                 return await self._stream(request, responder, deltas, tracker)
@@ -129,14 +129,14 @@ class OpenAIRoutes:
                 async for delta in deltas:
                     if not seen:
                         tracker.first_token()
-                    seen[1:] = [delta]  # the first and the last
+                        seen.append(delta)  # its worker goes in the headers
                     yield delta
 
             try:
                 body = await responder.collect(remember())
             except Exception as exc:  # noqa: BLE001
                 return self._error(exc, tracker)
-            tracker.finish("200", seen[-1].usage if seen else None)
+            tracker.finish("200", responder.usage)
             return web.json_response(body, headers=_decision_headers(seen[0] if seen else None))
         finally:
             await deltas.aclose()
@@ -155,7 +155,6 @@ class OpenAIRoutes:
         response = web.StreamResponse(headers={**_SSE_HEADERS, **_decision_headers(first)})
         await response.prepare(request)
         events = responder.first_events() + responder.delta_events(first)
-        usage = first.usage
         try:
             if events:
                 await response.write(b"".join(_sse(e) for e in events))
@@ -165,13 +164,12 @@ class OpenAIRoutes:
                 await response.write(b"".join(_sse(e) for e in responder.delta_events(delta)))
                 if delta.received_ns:
                     self.metrics.observe_sse_hop(delta.received_ns)
-                usage = delta.usage or usage
         except TandemError as exc:
             status, body = http_error(exc)
             log.warning("stream failed after it started", extra={"status": status})
             tracker.finish(str(status))  # the HTTP status is 200 already; count the failure
             await response.write(_sse(body))
-        tracker.finish("200", usage)  # before the last write: a client that saw it sees this
+        tracker.finish("200", responder.usage)  # before the last write: a client that saw it sees this
         await response.write(b"data: [DONE]\n\n")
         return response
 

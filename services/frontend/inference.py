@@ -9,10 +9,11 @@ from contextlib import aclosing
 import grpc
 
 from services.frontend.inference_body import openai_body
-from tandem.engines.types import FinishReason
+from tandem.engines.types import FinishReason, Usage
 from tandem.errors import Unavailable
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.chat_output import ChatOutput
+from tandem.frontend.choices import total_usage
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
@@ -41,18 +42,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[pb.InferenceChunk, None]:
         tracker = self.frontend.pipeline.metrics.track("grpc_generate")
-        status, usage = CLIENT_CLOSED, None  # until it ends otherwise
+        status = CLIENT_CLOSED  # until it ends otherwise
+        usage: dict[int, Usage] = {}  # of each answer that finished
         try:
             async with aclosing(self._generate(request, context, tracker)) as chunks:
                 async for chunk in chunks:
-                    usage = chunk.usage if chunk.HasField("usage") else usage
+                    if chunk.HasField("usage"):
+                        usage[chunk.index] = convert.usage_from_pb(chunk.usage)
                     yield chunk
             status = "200"
         except Exception as exc:
             status = str(http_error(exc)[0])  # as the REST API would answer
             raise
         finally:
-            tracker.finish(status, convert.usage_from_pb(usage) if usage is not None else None)
+            tracker.finish(status, total_usage(usage))
 
     async def _generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext,
                         tracker: RequestTracker) -> AsyncGenerator[pb.InferenceChunk, None]:
@@ -64,8 +67,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         priority = request.priority if request.HasField("priority") else None
         gen = await self.frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
-        output = self.frontend.chat_output(parsed)
-        deltas = self.frontend.generate(gen)
+        outputs = [self.frontend.chat_output(parsed) for _ in range(parsed.num_generated)]
+        deltas = self.frontend.generate_choices(gen, parsed.num_generated)
         sent_metadata = False
         try:
             async for delta in deltas:
@@ -75,7 +78,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         ("x-tandem-decode-worker", delta.worker.worker_id),
                         ("x-tandem-pool", delta.worker.pool)))
                     sent_metadata = True
-                yield _chunk(echo_id, delta, output)
+                yield _chunk(echo_id, delta, outputs[delta.index])
         finally:
             await deltas.aclose()
 
@@ -89,7 +92,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 def _chunk(request_id: str, delta: Delta, output: ChatOutput) -> pb.InferenceChunk:
     """The chunk of one delta; the last one flushes what the output parsers held back."""
-    chunk = pb.InferenceChunk(request_id=request_id, token_ids=delta.token_ids)
+    chunk = pb.InferenceChunk(request_id=request_id, token_ids=delta.token_ids,
+                              index=delta.index)
     if output.is_plain:
         chunk.text = delta.text
     else:

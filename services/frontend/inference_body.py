@@ -40,6 +40,8 @@ def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
     if router:
         body["nvext"] = {"router": router}
     body.update(_chat_options(request))
+    if request.HasField("n"):
+        body["n"] = request.n
     which = request.WhichOneof("input")
     if which == "chat":
         body["messages"] = [_message(m) for m in request.chat.messages]

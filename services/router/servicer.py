@@ -32,7 +32,8 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
                      request.priority if request.HasField("priority") else None),
         exclude_ids=tuple(request.exclude_worker_ids),
         max_local_prefill_length=request.max_local_prefill_length,
-        has_images=request.has_images)
+        has_images=request.has_images,
+        prefer_ids=tuple(request.prefer_worker_ids))
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -15,6 +15,7 @@ from tandem.engines.types import Embedding
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.admission import Admission
 from tandem.frontend.chat_output import ChatOutput
+from tandem.frontend.choices import choice_requests, generate_choices
 from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.pipeline import Delta, GenerationRequest, Pipeline
@@ -176,6 +177,13 @@ class Frontend:
             embeddings=items,
             block_hashes=block_hashes,
         )
+
+    def generate_choices(self, req: GenerationRequest, n: int) -> AsyncGenerator[Delta, None]:
+        """`generate` for a request of `n` choices: their deltas merged, each tagged with its
+        Delta.index (tandem.frontend.choices). Each choice takes its own admission slot."""
+        if n == 1:
+            return self.generate(req)
+        return generate_choices(self.generate, choice_requests(req, n))
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """The pipeline's answer to a prepared request, inside an admission slot: the first

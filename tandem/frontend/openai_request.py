@@ -34,6 +34,7 @@ from tandem.frontend.chat_messages import (
     reasoning_effort,
     template_kwargs,
 )
+from tandem.frontend.choices import MAX_CHOICES
 from tandem.frontend.guided_request import parse_guided
 from tandem.frontend.json_fields import (
     first,
@@ -106,9 +107,8 @@ def parse_request(
         prompt = _prompt(body.get("prompt"))
         max_tokens = get_int(body, "max_tokens", lo=1)
         logprobs = get_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
-    n = get_int(body, "n", lo=1)
-    if n is not None and n > 1:
-        raise InvalidRequest("n > 1 is not supported", param="n")
+    n = get_int(body, "n", lo=1, hi=MAX_CHOICES) or 1
+    best_of = _best_of(body, kind, n)
 
     stream = bool(get_bool(body, "stream"))
     include_usage = False
@@ -150,6 +150,8 @@ def parse_request(
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
         logprobs=logprobs,
         stream=stream,
+        n=n,
+        best_of=best_of,
         include_usage=include_usage,
         ignore_eos=bool(
             first(get_bool(body, "ignore_eos"), get_bool(nvext, "ignore_eos", "nvext.ignore_eos"))
@@ -231,6 +233,20 @@ def _stop(value: object) -> tuple[str, ...]:
         if not isinstance(s, str) or not s:
             raise InvalidRequest(f"'stop' must hold non-empty strings, got {s!r}", param="stop")
     return tuple(stops)
+
+
+def _best_of(body: dict[str, Any], kind: Kind, n: int) -> int:
+    """Completions' best_of: how many choices to generate, of which the n likeliest (highest
+    mean token logprob) are returned. Not with stream (OpenAI's rule: the best is known only at
+    the end); chat refuses it in check_fields."""
+    best_of = get_int(body, "best_of", lo=1, hi=MAX_CHOICES) if kind == "completion" else None
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise InvalidRequest(f"'best_of' ({best_of}) must be at least 'n' ({n})", param="best_of")
+    if best_of > n and get_bool(body, "stream"):
+        raise InvalidRequest("'best_of' cannot be used with 'stream'", param="best_of")
+    return best_of
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -137,11 +137,20 @@ def _body(obj: str, completion_id: str, model: str, created: int, choices: list[
 
 
 def _choice(key: str, value: object, logprobs: JsonDict | None,
-            finish_reason: FinishReason | str | None) -> list[JsonDict]:
-    """choices for one answer: {"index": 0, key: value, "logprobs", "finish_reason"}."""
+            finish_reason: FinishReason | str | None, index: int = 0) -> list[JsonDict]:
+    """choices for one answer: {"index": index, key: value, "logprobs", "finish_reason"}."""
     if isinstance(finish_reason, FinishReason):
         finish_reason = FINISH_REASONS[finish_reason]
-    return [{"index": 0, key: value, "logprobs": logprobs, "finish_reason": finish_reason}]
+    return [{"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+
+def with_choices(bodies: list[JsonDict], usage: Usage | None) -> JsonDict:
+    """One response of several choices (`n`) from the bodies of each (built with their
+    `index`): the first body's id and fields, every body's choice, the usage of all."""
+    body = {**bodies[0], "choices": [c for b in bodies for c in b["choices"]]}
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+    return body
 
 
 # --- tool calls ---------------------------------------------------------------------------------
@@ -177,6 +186,7 @@ def chat_completion(
     logprobs: JsonDict | None = None,
     tool_calls: list[JsonDict] | None = None,
     reasoning: str | None = None,
+    index: int = 0,
 ) -> JsonDict:
     """A non-streamed chat.completion; `logprobs` from `chat_logprobs` when asked for,
     `tool_calls` from `tool_call`, `reasoning` (reasoning_content) from a reasoning parser.
@@ -188,38 +198,40 @@ def chat_completion(
         message["reasoning_content"] = reasoning
     return _body("chat.completion", completion_id, model, created,
                  _choice("message", message, logprobs,
-                         finish_text(finish_reason, bool(tool_calls))), usage)
+                         finish_text(finish_reason, bool(tool_calls)), index), usage)
 
 
-def chat_chunk_first(completion_id: str, model: str, created: int) -> JsonDict:
-    """The first chat.completion.chunk of a stream: delta {"role": "assistant", "content": ""}."""
+def chat_chunk_first(completion_id: str, model: str, created: int, index: int = 0) -> JsonDict:
+    """The first chat.completion.chunk of a stream (of each choice):
+    delta {"role": "assistant", "content": ""}."""
     return _body("chat.completion.chunk", completion_id, model, created,
-                 _choice("delta", {"role": "assistant", "content": ""}, None, None))
+                 _choice("delta", {"role": "assistant", "content": ""}, None, None, index))
 
 
 def chat_chunk(
-    completion_id: str, model: str, created: int, text: str, logprobs: JsonDict | None = None
+    completion_id: str, model: str, created: int, text: str, logprobs: JsonDict | None = None,
+    index: int = 0,
 ) -> JsonDict:
     """A chat.completion.chunk carrying text (delta {"content": text}) and its tokens' logprobs."""
     return _body("chat.completion.chunk", completion_id, model, created,
-                 _choice("delta", {"content": text}, logprobs, None))
+                 _choice("delta", {"content": text}, logprobs, None, index))
 
 
 def chat_chunk_delta(completion_id: str, model: str, created: int, delta: JsonDict,
-                     logprobs: JsonDict | None = None) -> JsonDict:
+                     logprobs: JsonDict | None = None, index: int = 0) -> JsonDict:
     """A chat.completion.chunk with any delta: {"reasoning_content"}, {"content"} or
     {"tool_calls": [tool_call_start(...)]} / [tool_call_arguments(...)]."""
     return _body("chat.completion.chunk", completion_id, model, created,
-                 _choice("delta", delta, logprobs, None))
+                 _choice("delta", delta, logprobs, None, index))
 
 
 def chat_chunk_last(
     completion_id: str, model: str, created: int, finish_reason: FinishReason,
-    made_calls: bool = False,
+    made_calls: bool = False, index: int = 0,
 ) -> JsonDict:
-    """The chunk that ends a chat stream: empty delta and the finish reason."""
+    """The chunk that ends a chat stream (a choice of it): empty delta and the finish reason."""
     return _body("chat.completion.chunk", completion_id, model, created,
-                 _choice("delta", {}, None, finish_text(finish_reason, made_calls)))
+                 _choice("delta", {}, None, finish_text(finish_reason, made_calls), index))
 
 
 def chat_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:
@@ -238,10 +250,11 @@ def text_completion(
     finish_reason: FinishReason,
     usage: Usage,
     logprobs: JsonDict | None = None,
+    index: int = 0,
 ) -> JsonDict:
     """A non-streamed text_completion; `logprobs` from `completion_logprobs` when asked for."""
     return _body("text_completion", completion_id, model, created,
-                 _choice("text", text, logprobs, finish_reason), usage)
+                 _choice("text", text, logprobs, finish_reason, index), usage)
 
 
 def completion_chunk(
@@ -251,10 +264,11 @@ def completion_chunk(
     text: str,
     logprobs: JsonDict | None = None,
     finish_reason: FinishReason | None = None,
+    index: int = 0,
 ) -> JsonDict:
     """A streamed text_completion chunk; the last one carries `finish_reason` (text may be "")."""
     return _body("text_completion", completion_id, model, created,
-                 _choice("text", text, logprobs, finish_reason))
+                 _choice("text", text, logprobs, finish_reason, index))
 
 
 def completion_chunk_usage(completion_id: str, model: str, created: int, usage: Usage) -> JsonDict:

@@ -36,6 +36,11 @@ class ParsedRequest:
     #: None: no logprobs; k: the sampled token's logprob plus k alternatives.
     logprobs: int | None = None
     stream: bool = False
+    #: Choices returned (tandem.frontend.choices).
+    n: int = 1
+    #: Choices generated (completions' best_of, >= n): the n with the highest mean token
+    #: logprob are returned.
+    best_of: int = 1
     #: stream_options.include_usage: send a final chunk with usage and no choices.
     include_usage: bool = False
     ignore_eos: bool = False
@@ -59,6 +64,11 @@ class ParsedRequest:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     #: chat only: reasoning_effort, for templates that read it (gpt-oss).
     reasoning_effort: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        """Choices to generate: best_of, at least n."""
+        return max(self.n, self.best_of)
 
     def template_variables(self) -> dict[str, Any]:
         """Extra variables of the chat template: chat_template_kwargs and reasoning_effort."""
@@ -86,6 +96,7 @@ class ParsedRequest:
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
-            top_logprobs=self.logprobs,
+            # best_of ranks choices by their tokens' logprobs: asked for even when not shown.
+            top_logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
             guided=self.guided,
         )

@@ -56,6 +56,9 @@ class GenerationRequest:
     #: With images: the prompt's block hashes, images included, for the router's prefix
     #: matching (it cannot compute them from the token ids alone).
     block_hashes: tuple[int, ...] = ()
+    #: Workers the router should pick when they are candidates (by worker_id): where another
+    #: choice of the same prompt computed its KV (tandem.frontend.choices).
+    prefer_workers: tuple[str, ...] = ()
 
     def engine_request(self, kv_handle: KvHandle | None = None,
                        first_token: TokenLogprob | None = None) -> EngineRequest:
@@ -104,13 +107,18 @@ class Delta:
     worker: WorkerRef | None = None
     #: TokenChunk.received_ns of the chunk this delta came from (0: not measured).
     received_ns: int = 0
+    #: Which of the request's `n` choices this delta belongs to (tandem.frontend.choices).
+    index: int = 0
+    #: The prefill worker that computed the prompt, when disaggregated.
+    prefill_worker: WorkerRef | None = None
 
 
 class RouterPort(Protocol):
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
                     timeout_s: float | None = None, block_hashes: Sequence[int] = (),
-                    has_images: bool = False) -> RouteDecision: ...
+                    has_images: bool = False, prefer_ids: tuple[str, ...] = ()
+                    ) -> RouteDecision: ...
 
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
         """Queues the release of a request's load; never blocks the caller."""
@@ -214,7 +222,8 @@ class Pipeline:
                                        req.sampling.max_tokens, req.sla, exclude_ids=exclude_ids,
                                        timeout_s=req.remaining_s(),
                                        block_hashes=req.block_hashes,
-                                       has_images=bool(req.embeddings))
+                                       has_images=bool(req.embeddings),
+                                       prefer_ids=req.prefer_workers)
 
     async def _encode(self, req: GenerationRequest,
                       decision: RouteDecision) -> tuple[Embedding, ...]:
@@ -237,9 +246,11 @@ class Pipeline:
     async def _stream(self, req: GenerationRequest, decision: RouteDecision,
                       start: float) -> AsyncGenerator[Delta, None]:
         """Prefills when the router disaggregates, then streams from the decode pick."""
-        prefilled = await self._prefill(req, decision) if decision.disaggregate else None
+        answered = await self._prefill(req, decision) if decision.disaggregate else None
+        prefilled, prefill_worker = answered or (None, None)
         if prefilled is not None and prefilled.kv_handle is None:
             delta = self._answered_by_prefill(req, prefilled, decision.prefill_workers[0])
+            delta.prefill_worker = prefill_worker
             self.metrics.observe_chunk(time.perf_counter() - start, 0.0, len(delta.token_ids))
             yield delta
             return
@@ -247,6 +258,8 @@ class Pipeline:
         try:
             async with aclosing(self._decode(req, decision, prefilled, start)) as deltas:
                 async for delta in deltas:
+                    if not started:
+                        delta.prefill_worker = prefill_worker
                     started = True
                     yield delta
         finally:
@@ -255,16 +268,17 @@ class Pipeline:
                 assert self.prefill is not None
                 self.prefill.release(prefilled.kv_handle)
 
-    async def _prefill(self, req: GenerationRequest,
-                       decision: RouteDecision) -> PrefillResult | None:
-        """The first token and KV handle from the first prefill worker that answers; None when
-        none can (the decode worker then prefills the prompt itself)."""
+    async def _prefill(self, req: GenerationRequest, decision: RouteDecision
+                       ) -> tuple[PrefillResult, WorkerRef] | None:
+        """The first token and KV handle from the first prefill worker that answers, and that
+        worker; None when none can (the decode worker then prefills the prompt itself)."""
         if self.prefill is None:
             return None
         engine_req = req.engine_request()
         for worker in decision.prefill_workers:
             try:
-                return await self.prefill.prefill(worker.address, engine_req, req.remaining_s())
+                return (await self.prefill.prefill(worker.address, engine_req, req.remaining_s()),
+                        worker)
             except (Unavailable, Overloaded, UpstreamError) as exc:
                 log.warning("prefill worker failed, trying the next", extra={
                     "worker": worker.worker_id, "error": exc.message})

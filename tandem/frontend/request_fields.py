@@ -34,7 +34,7 @@ HONOURED: dict[Kind, frozenset[str]] = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                        "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                        "reasoning_effort"},
-    "completion": _COMMON | {"prompt"},
+    "completion": _COMMON | {"prompt", "best_of"},
 }
 
 #: Accepted and ignored, with the reason that is harmless.
@@ -87,7 +87,7 @@ REFUSED: tuple[Refusal, ...] = (
             "(legacy function calling) is not supported: send 'tool_choice' instead"),
     Refusal("echo", _BOTH, _off, "is not supported"),
     Refusal("suffix", ("completion",), _off, "is not supported"),
-    Refusal("best_of", _BOTH, _is(1), "> 1 is not supported"),
+    Refusal("best_of", ("chat",), _is(1), "applies to /v1/completions only (send n)"),
     # vLLM extensions that would change the output if they were honoured
     Refusal("add_generation_prompt", ("chat",), _is(True), "may only be true"),
     Refusal("continue_final_message", ("chat",), _off, "is not supported"),

@@ -58,6 +58,10 @@ class RouteRequestInfo:
     max_local_prefill_length: int = 0
     #: The request carries images: an encode worker is picked too, when encode pools exist.
     has_images: bool = False
+    #: Workers picked first when they are candidates (healthy, in an eligible pool, not
+    #: excluded), whatever the policy says: e.g. where another choice of the same prompt is
+    #: cached. The others keep the policy's order behind them.
+    prefer_ids: Sequence[str] = ()
 
 
 class Router:
@@ -154,16 +158,22 @@ class Router:
         return [pools[i] for i in choice.pools]
 
     @staticmethod
-    def _rank(pools: Sequence[Pool], ctx: RouteContext, exclude: set[str]
-              ) -> list[tuple[WorkerState, int]]:
+    def _rank(pools: Sequence[Pool], ctx: RouteContext, exclude: set[str],
+              prefer: Sequence[str] = ()) -> list[tuple[WorkerState, int]]:
         ordered: list[tuple[WorkerState, int]] = []
+        preferred: list[tuple[WorkerState, int]] = []
         for pool in pools:
             candidates = [w for w in pool.workers.values()
                           if w.healthy and w.worker_id not in exclude]
             ranked = pool.policy.rank(candidates, ctx)
+            if prefer:
+                preferred += [pick for pick in ranked if pick[0].worker_id in prefer]
             # The first pool that can serve gives the pick and its own fallbacks; each later
             # pool in the retry order contributes its best worker.
             ordered.extend(ranked if not ordered else ranked[:1])
+        if preferred:
+            ids = {w.worker_id for w, _ in preferred}
+            ordered = preferred + [pick for pick in ordered if pick[0].worker_id not in ids]
         return ordered
 
     def route(self, info: RouteRequestInfo) -> RouteDecision:
@@ -176,7 +186,7 @@ class Router:
                                                                self.block_size))
         ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
         exclude = set(info.exclude_ids)
-        ordered = self._rank(self._pool_order(info), ctx, exclude)
+        ordered = self._rank(self._pool_order(info), ctx, exclude, info.prefer_ids)
         if not ordered:
             raise Unavailable("no healthy worker in any eligible pool"
                               + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""))
@@ -184,7 +194,8 @@ class Router:
         new_blocks = max(len(hashes), math.ceil(info.isl / self.block_size))
         prefill_ordered: list[tuple[WorkerState, int]] = []
         if info.isl - overlap * self.block_size > info.max_local_prefill_length:
-            prefill_ordered = self._rank(self._prefill_pool_order(info), ctx, exclude)
+            prefill_ordered = self._rank(self._prefill_pool_order(info), ctx, exclude,
+                                         info.prefer_ids)
         encode_ordered: list[tuple[WorkerState, int]] = []
         if info.has_images:
             encode_ordered = self._rank(self._by_kind["encode"], ctx, exclude)

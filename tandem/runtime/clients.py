@@ -77,13 +77,14 @@ class RouterClient:
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
                     timeout_s: float | None = None, block_hashes: Sequence[int] = (),
-                    has_images: bool = False) -> RouteDecision:
+                    has_images: bool = False, prefer_ids: tuple[str, ...] = ()
+                    ) -> RouteDecision:
         completed = self._take_pending()
         request = router_pb2.RouteRequest(
             request_id=request_id, token_ids=token_ids, isl=len(token_ids),
             expected_osl=expected_osl, exclude_worker_ids=exclude_ids, completed=completed,
             max_local_prefill_length=self.max_local_prefill_length,
-            block_hashes=block_hashes, has_images=has_images)
+            block_hashes=block_hashes, has_images=has_images, prefer_worker_ids=prefer_ids)
         if sla.ttft_ms is not None:
             request.sla.ttft_ms = sla.ttft_ms
         if sla.itl_ms is not None:

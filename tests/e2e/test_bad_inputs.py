@@ -39,7 +39,7 @@ CASES = [
     ("temperature a string", lambda m: chat(m, temperature="hot"), 400, "temperature"),
     ("messages not a list", lambda m: chat(m, messages="hello"), 400, "messages"),
     ("content a number", lambda m: chat(m, messages=[{"role": "user", "content": 5}]), 400, None),
-    ("n > 1", lambda m: chat(m, n=3), 400, "n"),
+    ("n beyond the limit", lambda m: chat(m, n=17), 400, "n"),
     ("prompt longer than the context",
      lambda m: chat(m, messages=[{"role": "user", "content": "word " * 5000}]), 400, None),
     ("max_tokens beyond the context", lambda m: chat(m, max_tokens=10**6), 400, "max_tokens"),

@@ -14,6 +14,7 @@ import grpc
 import openai
 import pytest
 
+from tandem.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.disagg_probe import child_pid, generate, prefill, stats, wait_idle
 from tests.e2e.topology import Topology, start_topology, start_worker
 
@@ -150,3 +151,20 @@ def test_a_decode_worker_killed_mid_transfer_frees_the_prefill_lease(slow: Topol
     killer.join()
     # The frontend saw the decode stream break before any token and released the lease.
     wait_idle(pre)
+
+
+def test_n_choices_share_the_prefill(disagg: Topology) -> None:
+    # Choice 0 is prefilled on the prefill worker; the other two are sent once it has its first
+    # token, preferring its workers (RouteRequest.prefer_worker_ids), and find the prompt's 3
+    # full blocks in a prefix cache: each computes only the last 4 tokens.
+    (decode,), (pre,) = disagg.decode_addresses, disagg.prefill_addresses
+    with grpc.insecure_channel(disagg.grpc_address) as channel:
+        chunks = list(inference_pb2_grpc.InferenceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                model=disagg.model, tokens=inference_pb2.TokenInput(token_ids=range(300, 400)),
+                n=3, sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True, seed=5)),
+            timeout=60))
+    usage = {c.index: c.usage for c in chunks if c.HasField("usage")}
+    assert [usage[i].completion_tokens for i in (0, 1, 2)] == [8, 8, 8]
+    assert [usage[i].cached_tokens for i in (0, 1, 2)] == [0, 96, 96]
+    wait_idle(decode, pre)

@@ -99,8 +99,8 @@ def test_counts_after_a_known_set_of_requests(scrapes: Scrapes) -> None:
                 model=topo.model, tokens=inference_pb2.TokenInput(token_ids=prompt[:50]),
                 sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True)), timeout=60))
     grpc_usage = chunks[-1].usage
-    # 1 bad request (n > 1 is refused) and 1 for an unknown model.
-    assert post(topo, "/v1/completions", {"model": topo.model, "prompt": "x", "n": 2})[0] == 400
+    # 1 bad request (n beyond its limit) and 1 for an unknown model.
+    assert post(topo, "/v1/completions", {"model": topo.model, "prompt": "x", "n": 17})[0] == 400
     assert post(topo, "/v1/completions", {"model": "nope", "prompt": "x"})[0] == 404
 
     assert [u["completion_tokens"] for u in usages] == [5, 7, 9, 3, 4]

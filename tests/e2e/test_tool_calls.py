@@ -153,7 +153,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"extra_body": {"service_tier": "flex"}}, "service_tier"),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ({"extra_body": {"function_call": "auto"}}, "function_call"),
-    ({"extra_body": {"n": 2}}, "n"),
+    ({"n": 17}, "n"),
     ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"),  # template never reads it
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),

@@ -45,7 +45,8 @@ class Router:
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
                     timeout_s: float | None = None, block_hashes: Sequence[int] = (),
-                    has_images: bool = False) -> RouteDecision:
+                    has_images: bool = False, prefer_ids: tuple[str, ...] = ()
+                    ) -> RouteDecision:
         self.calls.append((tuple(block_hashes), has_images))
         return RouteDecision((DECODE,), encode_workers=self.encoders if has_images else ())
 

@@ -28,7 +28,8 @@ class ScriptedRouter:
     async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
                     sla: SlaHints, exclude_ids: tuple[str, ...] = (),
                     timeout_s: float | None = None, block_hashes: Sequence[int] = (),
-                    has_images: bool = False) -> RouteDecision:
+                    has_images: bool = False, prefer_ids: tuple[str, ...] = ()
+                    ) -> RouteDecision:
         self.excluded.append(tuple(exclude_ids))
         return RouteDecision(tuple(w for w in WORKERS if w.worker_id not in exclude_ids))
 

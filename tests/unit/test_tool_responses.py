@@ -39,7 +39,7 @@ def body(**fields: Any) -> dict[str, Any]:
 
 def responder(parsers: OutputParsers, **fields: Any) -> OpenAIResponder:
     parsed = parse_request(body(**fields), "chat")
-    return OpenAIResponder(parsed, "m", str, parsers.new_output(parsed))
+    return OpenAIResponder(parsed, "m", str, lambda: parsers.new_output(parsed))
 
 
 def deltas(text: str, size: int, reason: FinishReason = FinishReason.STOP) -> list[Delta]:
@@ -264,7 +264,7 @@ def test_special_text_filter_removes_split_strings() -> None:
 def client_for(parsers: OutputParsers, text: str) -> openai.OpenAI:
     def handler(request: Any) -> Any:
         parsed = parse_request(json.loads(request.content), "chat")
-        r = OpenAIResponder(parsed, "m", str, parsers.new_output(parsed))
+        r = OpenAIResponder(parsed, "m", str, lambda: parsers.new_output(parsed))
         if not parsed.stream:
             return httpx.Response(200, json=whole(r, deltas(text, 3)).model_dump())
         events = stream(r, deltas(text, 3))
