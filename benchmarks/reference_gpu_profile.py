@@ -1,12 +1,13 @@
-"""Where a batch-64 decode step of the 8B shape spends its time (a tool, not a test).
+"""Where a decode step of the 8B shape spends its time (a tool, not a test).
 
-    PYTHONPATH=. python3 benchmarks/reference_gpu_profile.py
+    PYTHONPATH=. python3 benchmarks/reference_gpu_profile.py [--batch 64]
 
 Prints torch.profiler's kernel table for eager decode steps, and the host/GPU split of graphed
 steps (time inside the model call vs the whole engine step).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import pathlib
 import tempfile
@@ -55,9 +56,12 @@ async def run(eager: bool, root: pathlib.Path, batch: int = 64) -> None:
 
 
 async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    batch = parser.parse_args().batch
     with tempfile.TemporaryDirectory() as tmp:
         for eager in (False, True):
-            await run(eager, pathlib.Path(tmp))
+            await run(eager, pathlib.Path(tmp), batch)
 
 
 if __name__ == "__main__":

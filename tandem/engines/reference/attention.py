@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engines.reference import kernels
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import RMSNorm
 from tandem.engines.reference.rope import apply_rope
@@ -131,3 +132,19 @@ class Attention(nn.Module):
         else:
             o = prefill_attention(q, kv_layer, meta, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+    def forward_fused(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        """`forward` through the Triton kernels (CUDA, half precision, no q/k norm): RoPE and
+        the cache write in one kernel, decode attention read in place from the blocks."""
+        num_tokens = x.shape[0]
+        q = kernels.rope_and_cache(kernels.linear(x, self.qkv_proj), rope_table, positions,
+                                   kv_layer, meta.slot_mapping, self.num_heads,
+                                   self.num_kv_heads, self.head_size)
+        if meta.is_decode_only:
+            o = kernels.paged_decode_attention(q, kv_layer, meta.block_tables,
+                                               meta.context_lens_t, meta.block_size,
+                                               self.sliding_window)
+        else:
+            o = prefill_attention(q, kv_layer, meta, self.sliding_window)
+        return kernels.linear(o.reshape(num_tokens, self.q_size), self.o_proj)

@@ -6,15 +6,22 @@ minus the "model." prefix, except the fused `qkv_proj` and `gate_up_proj` (see l
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engines.reference import kernels
 from tandem.engines.reference.attention import Attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import GatedMLP, RMSNorm
 from tandem.engines.reference.rope import RotaryEmbedding
 from tandem.engines.reference.spec import ModelSpec
+
+
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
 
 
 class DecoderLayer(nn.Module):
@@ -71,10 +78,39 @@ class DecoderModel(nn.Module):
         if input_embeds is not None:
             rows, values = input_embeds
             hidden.index_copy_(0, rows, values.to(hidden.dtype))
+        if self._fusable(hidden, meta):
+            return self._forward_fused(hidden, positions, meta, kv_cache)
         cos, sin = self.rotary_emb(positions)  # gathered once, shared by every layer
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[index])
         return self.norm(hidden)
+
+    def _fusable(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether the Triton kernels (tandem.engines.reference.kernels) serve this step:
+        CUDA, half precision, no q/k norm, head size and block size powers of two >= 16 (the
+        kernels' matrix tiles)."""
+        spec = self.spec
+        return (kernels.available(hidden) and not spec.qk_norm
+                and _pow2_at_least_16(spec.head_size) and _pow2_at_least_16(meta.block_size))
+
+    def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """`forward` with the residual adds fused into the next RMSNorm (each layer's input
+        norm, then the final norm) and SwiGLU's activation in one kernel."""
+        table = self.rotary_emb.cos_sin
+        layers = cast("list[DecoderLayer]", list(self.layers))
+        first = layers[0].input_layernorm
+        normed, residual = kernels.add_rms_norm(hidden, first.weight, first.eps)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for index, (layer, next_norm) in enumerate(zip(layers, norms)):
+            attn = layer.self_attn.forward_fused(normed, table, positions, meta, kv_cache[index])
+            post = layer.post_attention_layernorm
+            normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps, residual)
+            mlp = layer.mlp
+            out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj), mlp.down_proj)
+            normed, residual = kernels.add_rms_norm(out, next_norm.weight, next_norm.eps,
+                                                    residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for hidden states [N, hidden] from `forward`.
@@ -83,4 +119,6 @@ class DecoderModel(nn.Module):
         that sampling (softmax, penalties, logprobs) works in float32.
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.shape[0] == 1 and kernels.available(hidden) and hidden.is_contiguous():
+            return kernels.gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
