@@ -42,6 +42,22 @@ def _rotate(x: torch.Tensor, weights: list[torch.Tensor], turn: list[int]) -> No
     turn[0] += 1
 
 
+def _skinny_rotate(x: torch.Tensor, weights: list[torch.Tensor], turn: list[int]) -> None:
+    kernels.skinny_gemm(x, weights[turn[0] % len(weights)])
+    turn[0] += 1
+
+
+def skinny_rows(batch: int) -> list[str]:
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k, dtype=DT, device="cuda") for _ in range(2)]
+        x = torch.randn(batch, k, dtype=DT, device="cuda")
+        us = graph_us(functools.partial(_skinny_rotate, x, weights, [0]))
+        rows.append(f"| skinny_gemm {name} [{n}x{k}], M={batch} | {us:.1f} us | "
+                    f"{n * k * 2 / us / 1e6:.2f} TB/s |")
+    return rows
+
+
 def gemv_rows(batch: int) -> list[str]:
     rows = []
     for name, (n, k) in {"qkv": (6144, 4096), "o_proj": (4096, 4096),
@@ -104,7 +120,7 @@ def attention_rows() -> list[str]:
 
 
 def main() -> None:
-    rows = gemv_sweep() + gemv_rows(1) + gemv_rows(64) + attention_rows()
+    rows = gemv_rows(64) + skinny_rows(64) + gemv_rows(128) + skinny_rows(128) + gemv_rows(8) + skinny_rows(8)
     print("| piece | time | bytes/s |\n|---|---:|---:|")
     print("\n".join(rows))
 

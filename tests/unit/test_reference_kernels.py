@@ -123,3 +123,14 @@ def test_gemv_with_swiglu() -> None:
     gate_up = torch.randn(1, 2 * width, device="cuda", dtype=DTYPE) * 3
     ref = kernels.silu_and_mul(gate_up).double() @ weight.double().T
     assert rel_err(kernels.gemv(gate_up, weight, swiglu=True), ref) < 4e-3
+
+
+@pytest.mark.parametrize("rows", [2, 7, 64, 128])
+def test_skinny_gemm(rows: int) -> None:
+    weight = torch.randn(4096, 4096, device="cuda", dtype=DTYPE) / 64
+    x = torch.randn(rows, 4096, device="cuda", dtype=DTYPE)
+    ref = x.double() @ weight.double().T
+    assert rel_err(kernels.skinny_gemm(x, weight), ref) < 4e-3
+    odd = torch.randn(1000, 300, device="cuda", dtype=DTYPE)  # edges of every tile
+    assert rel_err(kernels.skinny_gemm(x[:, :300].contiguous(), odd),
+                   x[:, :300].double() @ odd.double().T) < 4e-3

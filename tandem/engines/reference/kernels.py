@@ -12,8 +12,8 @@ SDPA), each a few microseconds even inside a CUDA graph. These four kernels repl
   place through the block table (no gathered copy), split over the context in pieces of
   SPLIT_TOKENS (flash-decoding), then one small reduction across the pieces.
 * `silu_and_mul`: SwiGLU's activation on the fused gate/up output.
-* `gemv`: a batch-1 step's projections (one row times a weight matrix), where cuBLAS' kernels
-  stay well under the copy bandwidth on some shapes.
+* `gemv` and `skinny_gemm`: a decode step's projections (one row, or a batch of up to 64
+  rows, times a weight matrix), where cuBLAS' kernels stay well under the copy bandwidth.
 
 Rounding follows transformers op by op, so that bf16 outputs match its eager model: sums and
 products of two half-precision tensors are rounded to that precision after each operation (as
@@ -187,6 +187,32 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
+    @triton.autotune(configs=[
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for n, k, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3),
+                            (64, 64, 4, 5), (16, 256, 4, 4), (64, 128, 8, 3))],
+        key=["n_rows", "k_cols", "BLOCK_M"])
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_rows, k_cols,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        m_mask = m < m_rows
+        n_mask = cols < n_rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k_cols, BLOCK_K):
+            k = k0 + kk
+            k_mask = k < k_cols
+            x = tl.load(x_ptr + m[:, None] * k_cols + k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * k_cols + k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + m[:, None] * n_rows + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -299,10 +325,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+#: Most rows `skinny_gemm` serves (a decode batch); more go to cuBLAS, which is faster there
+#: (benchmarks/reference_gpu_kernels.py: at 128 rows its tiles fall behind, at 8-64 they match or
+#: beat it).
+SKINNY_MAX_ROWS = 64
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] for 2 <= M <= SKINNY_MAX_ROWS: every weight tile is
+    read once for all M rows (a decode step is bound by reading the weights); tiles autotuned
+    per shape on first use (before CUDA-graph capture, in the graphs' warm-up)."""
+    m_rows, k_cols = x.shape
+    n_rows = weight.shape[0]
+    out = torch.empty(m_rows, n_rows, dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m_rows))
+    _skinny_gemm_kernel[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_N"]),)](
+        x, weight, out, m_rows, n_rows, k_cols, BLOCK_M=block_m)
+    return out
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """`layer(x)`; one row without a bias goes through `gemv`."""
-    if x.shape[0] == 1 and layer.bias is None and x.is_contiguous():
-        return gemv(x, layer.weight)
+    """`layer(x)`; a decode batch without a bias goes through `gemv` (one row) or
+    `skinny_gemm` (up to SKINNY_MAX_ROWS)."""
+    rows = x.shape[0]
+    if layer.bias is None and x.is_contiguous() and rows <= SKINNY_MAX_ROWS:
+        return gemv(x, layer.weight) if rows == 1 else skinny_gemm(x, layer.weight)
     return layer(x)
 
 
@@ -310,4 +357,4 @@ def swiglu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor
     """`layer(silu_and_mul(gate_up))`, in one kernel for one row without a bias."""
     if gate_up.shape[0] == 1 and layer.bias is None and gate_up.is_contiguous():
         return gemv(gate_up, layer.weight, swiglu=True)
-    return layer(silu_and_mul(gate_up))
+    return linear(silu_and_mul(gate_up), layer)

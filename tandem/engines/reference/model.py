@@ -119,6 +119,8 @@ class DecoderModel(nn.Module):
         that sampling (softmax, penalties, logprobs) works in float32.
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if hidden.shape[0] == 1 and kernels.available(hidden) and hidden.is_contiguous():
-            return kernels.gemv(hidden, weight).float()
+        rows = hidden.shape[0]
+        if kernels.available(hidden) and hidden.is_contiguous() and rows <= kernels.SKINNY_MAX_ROWS:
+            out = kernels.gemv(hidden, weight) if rows == 1 else kernels.skinny_gemm(hidden, weight)
+            return out.float()
         return F.linear(hidden, weight).float()
