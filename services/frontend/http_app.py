@@ -52,6 +52,8 @@ class OpenAIRoutes:
         self.frontend = frontend
         self.draining = draining
         self.metrics = frontend.pipeline.metrics
+        #: Further /v1/models entries (the video model, with its "kind").
+        self.extra_models: list[dict[str, object]] = []
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -177,7 +179,7 @@ class OpenAIRoutes:
         model = self.frontend.model
         return web.json_response({"object": "list", "data": [{
             "id": model.name, "object": "model", "created": 0, "owned_by": "tandem",
-            "max_model_len": model.max_model_len}]})
+            "max_model_len": model.max_model_len}, *self.extra_models]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining.active:

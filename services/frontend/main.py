@@ -14,6 +14,7 @@ from prometheus_client import start_http_server
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
 from services.frontend.supervisor import supervise
+from services.frontend.video_routes import VideoRoutes
 from tandem.errors import InvalidRequest
 from tandem.frontend.admission import Admission
 from tandem.frontend.auth import ApiKeys
@@ -33,7 +34,10 @@ from tandem.runtime import config as config_lib
 from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients, RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.tls import TlsConfig, http_ssl_context
+from tandem.runtime.video_client import VideoWorkerClients
 from tandem.v1 import inference_pb2_grpc
+from tandem.video.frontend import VideoFrontend
+from tandem.video.metrics import VideoFrontendMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,9 @@ class FrontendConfig:
     # == routing ==
     #: The router's gRPC address, host:port.
     router_address: str = "127.0.0.1:9100"
+    #: Served name of the video model behind the router's video pool: /v1/videos serves it and
+    #: /v1/models lists it (kind "video"); "": no video API.
+    video_model: str = ""
     #: Longest wait for the router's answer, seconds.
     router_timeout_s: float = 10.0
     #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
@@ -223,7 +230,12 @@ async def serve(config: FrontendConfig) -> None:
 
     app = web.Application(client_max_size=config.max_request_bytes,
                           middlewares=[json_errors, api_key_auth(api_keys)])
-    OpenAIRoutes(frontend, grpc_service.draining).add_to(app)
+    routes = OpenAIRoutes(frontend, grpc_service.draining)
+    routes.add_to(app)
+    if config.video_model:
+        video_routes = video_api(config, clients.router, grpc_service, frontend)
+        video_routes.add_to(app)
+        routes.extra_models.append(video_routes.model_entry())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=config.grace_period_s)
     await runner.setup()
@@ -238,6 +250,17 @@ async def serve(config: FrontendConfig) -> None:
     scheme = "https" if ssl_context is not None else "http"
     log.info("http listening", extra={"url": f"{scheme}://{config.host}:{config.http_port}"})
     await grpc_service.run()
+
+
+def video_api(config: FrontendConfig, router: RouterClient, grpc_service: GrpcService,
+              frontend: Frontend) -> VideoRoutes:
+    """/v1/videos over the router's video pool; its connections close with the service."""
+    workers = VideoWorkerClients(config.router_address, config.tls)
+    metrics = VideoFrontendMetrics(frontend.pipeline.metrics.registry)
+    videos = VideoFrontend(config.video_model, router, workers, metrics)
+    grpc_service.on_close(videos.close)
+    grpc_service.on_close(workers.close)
+    return VideoRoutes(videos, grpc_service.draining, metrics)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -33,7 +33,8 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
         exclude_ids=tuple(request.exclude_worker_ids),
         max_local_prefill_length=request.max_local_prefill_length,
         has_images=request.has_images,
-        prefer_ids=tuple(request.prefer_worker_ids))
+        prefer_ids=tuple(request.prefer_worker_ids),
+        video=request.video)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -55,7 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         self.metrics.observe(decision, time.perf_counter() - start)
         if tracing.is_enabled():
-            pick = decision.decode_workers[0]
+            pick = (decision.decode_workers or decision.video_workers)[0]
             tracing.annotate({"tandem.route.decode_worker": pick.worker_id,
                               "tandem.route.pool": pick.pool,
                               "tandem.route.disaggregate": decision.disaggregate,
@@ -64,7 +65,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 prefill_workers=[_ref(w) for w in decision.prefill_workers],
                                 encode_workers=[_ref(w) for w in decision.encode_workers],
                                 disaggregate=decision.disaggregate,
-                                overlap_blocks=decision.overlap_blocks)
+                                overlap_blocks=decision.overlap_blocks,
+                                video_workers=[_ref(w) for w in decision.video_workers])
 
     async def Complete(self, request: pb.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> pb.CompleteResponse:

@@ -48,6 +48,10 @@ class EngineArgs:
     kv_cache_cpu_bytes: int = 512 * 1024 * 1024
     #: Reuse cached KV blocks across requests with the same prefix.
     enable_prefix_caching: bool = True
+    #: Bytes of host memory (pinned on CUDA) for a second KV tier: blocks evicted from the KV
+    #: pool are copied there and copied back on a prefix hit instead of recomputed; 0: off.
+    #: TensorRT-LLM: kv_cache_config.host_cache_size.
+    kv_host_cache_bytes: int = 0
     # == multimodal ==
     #: Reference engine, vision-language models: bytes of image embeddings kept by content hash
     #: so that a repeated image skips the vision encoder (0: no cache).
@@ -67,6 +71,9 @@ class EngineArgs:
     speedup_ratio: float = 1.0
     #: Mock engine: simulated KV transfer bandwidth between workers, GB/s (0: instant).
     mock_kv_transfer_gbps: float = 25.0
+    #: Mock engine: simulated copy bandwidth between the KV pool and the host tier
+    #: (--kv-host-cache-bytes), GB/s; a step lasts its copies plus its compute (0: instant).
+    mock_kv_host_gbps: float = 25.0
     # == TensorRT-LLM engine ==
     #: TensorRT-LLM: GPUs per tensor-parallel group.
     tensor_parallel_size: int = 1

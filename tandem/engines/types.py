@@ -114,6 +114,15 @@ class KvLayout:
         ]
         return "KV layout mismatch (handle vs worker): " + ", ".join(diffs) if diffs else None
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V over every layer."""
+        element = _ELEMENT_BYTES.get(self.dtype, 2)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element
+
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryDescriptor:
@@ -239,6 +248,15 @@ class PrefillResult:
 # KV events, the same vocabulary as KvEvents in kv_events.proto and Dynamo's KV events.
 
 
+class KvTier(enum.Enum):
+    """Where a cached KV block lives (KvTier in kv_events.proto): the engine's device pool, or
+    the host-memory tier behind it (--kv-host-cache-bytes), from which a prefix hit is copied
+    back instead of recomputed."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     block_hashes: tuple[int, ...]
@@ -246,11 +264,15 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     mm_hashes: tuple[str, ...] = ()
+    #: The tier the blocks are now stored in (a block may be in both tiers at once).
+    tier: KvTier = KvTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    #: The tier the blocks left (they may still be stored in the other one).
+    tier: KvTier = KvTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +304,18 @@ class EngineStats:
     num_encoded_images: int = 0
     encode_cache_hits: int = 0
     encode_cache_size: int = 0
+    #: Host KV tier (--kv-host-cache-bytes; all 0 without one): blocks it holds and can hold,
+    #: blocks and bytes copied device -> host (offload) and host -> device (onboard), seconds
+    #: those copies took, and the share of looked-up prompt tokens served from it (0..1).
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_offload_blocks: int = 0
+    kv_offload_bytes: int = 0
+    kv_offload_seconds: float = 0.0
+    kv_onboard_blocks: int = 0
+    kv_onboard_bytes: int = 0
+    kv_onboard_seconds: float = 0.0
+    kv_host_hit_rate: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,14 @@
 """A paged KV block pool with reference counts, prefix caching over chained hashes, LRU eviction
-of idle cached blocks, and the KV events those changes produce."""
+of idle cached blocks, an optional host tier behind it (tandem.kv.host_tier), and the KV events
+those changes produce."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from tandem.engines.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from tandem.engines.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvTier
+from tandem.kv.host_tier import BlockCopies, HostTier
 
 
 class BlockTable:
@@ -24,11 +26,18 @@ class BlockTable:
 
 
 class PrefixMatch(NamedTuple):
-    """Leading blocks of a sequence already in the cache (from `BlockPool.match_prefix`)."""
+    """Leading blocks of a sequence already in the cache (from `BlockPool.match_prefix`): a run
+    of device blocks, then a run of host-tier slots continuing it."""
 
     block_ids: tuple[int, ...]
     #: Tokens of the sequence the lookup covered (for hit-rate accounting).
     num_query_tokens: int
+    #: Host-tier slots of the blocks right after `block_ids`, in order (copied back on allocate).
+    host_slots: tuple[int, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.host_slots)
 
 
 _NO_MATCH = PrefixMatch((), 0)
@@ -47,11 +56,16 @@ class BlockPool:
       - Every hash enters the cache once (`BlockStored`) and leaves once (`BlockRemoved` on
         eviction, `AllBlocksCleared` on `clear`); a block whose hash is already cached in another
         block is a private duplicate and publishes nothing. Events queue until `take_events`.
+      - With a host tier (`num_host_blocks` > 0): an evicted cached block is filed there and
+        its copy queued (offload); a lookup continues past the device run into the host tier,
+        and `allocate` gives the host-matched positions new blocks and queues their copies back
+        (onboard), pinning the host slots. The engine runs `take_copies()` before the step's
+        forward pass and unpins the onboards' slots once issued.
       - Not thread-safe; one engine loop owns it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
-                 ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, "
                              f"{block_size}")
@@ -68,6 +82,13 @@ class BlockPool:
         self._events: list[KvEvent] = []
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        #: The host tier, None without one; its events share this pool's list (one order).
+        self.host = HostTier(num_host_blocks, block_size, self._events) if num_host_blocks else None
+        #: With a host tier: each hashed block's host-tier BlockStored, kept from its commit so
+        #: that an eviction can file it there.
+        self._meta: list[BlockStored | None] = [None] * num_blocks if self.host else []
+        self._copies = BlockCopies()
+        self.num_host_hit_tokens = 0
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -90,8 +111,14 @@ class BlockPool:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """Share of looked-up prompt tokens served from the cache, 0.0 before any lookup."""
+        """Share of looked-up prompt tokens served from the cache (either tier), 0.0 before any
+        lookup."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from the host tier."""
+        return self.num_host_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -100,17 +127,27 @@ class BlockPool:
 
     def match_prefix(self, hashes: Sequence[int], num_query_tokens: int, max_blocks: int
                      ) -> PrefixMatch:
-        """The longest cached run of `hashes[:max_blocks]` from the start. Changes nothing."""
+        """The longest cached run of `hashes[:max_blocks]` from the start: device blocks, then
+        (with a host tier) host slots from the first device miss on. Changes nothing."""
         if not self.enable_prefix_caching:
             return PrefixMatch((), num_query_tokens)
         found: list[int] = []
         lookup = self._hash_to_block
-        for h in hashes[:max_blocks]:
+        wanted = hashes[:max_blocks]
+        for h in wanted:
             block = lookup.get(h)
             if block is None:
                 break
             found.append(block)
-        return PrefixMatch(tuple(found), num_query_tokens)
+        slots: list[int] = []
+        if self.host is not None:
+            host_lookup = self.host.lookup
+            for h in wanted[len(found):]:
+                slot = host_lookup(h)
+                if slot is None:
+                    break
+                slots.append(slot)
+        return PrefixMatch(tuple(found), num_query_tokens, tuple(slots))
 
     def _cost(self, match: PrefixMatch, num_blocks: int) -> int:
         # Free blocks consumed: new ones, plus matched idle blocks leaving the free lists.
@@ -124,11 +161,12 @@ class BlockPool:
 
     def allocate(self, table: BlockTable, num_tokens: int, match: PrefixMatch = _NO_MATCH
                  ) -> None:
-        """Gives an empty `table` the matched blocks, then new ones up to `num_tokens` tokens."""
+        """Gives an empty `table` the matched blocks, then new ones up to `num_tokens` tokens;
+        the first new ones receive the match's host-tier blocks (queued onboard copies)."""
         if table.block_ids:
             raise ValueError("allocate needs an empty table; use append to grow one")
         num_blocks = self.blocks_for(num_tokens)
-        if len(match.block_ids) > num_blocks:
+        if match.num_blocks > num_blocks:
             raise ValueError("prefix match longer than the allocation")
         if not self.can_allocate(num_tokens, match):
             raise MemoryError(f"KV pool exhausted: {num_blocks} blocks wanted, "
@@ -143,8 +181,19 @@ class BlockPool:
         table.block_ids.extend(match.block_ids)
         table.num_committed = len(match.block_ids)
         self.num_query_tokens += match.num_query_tokens
-        self.num_hit_tokens += len(match.block_ids) * self.block_size
+        self.num_hit_tokens += match.num_blocks * self.block_size
+        if match.host_slots:
+            assert self.host is not None
+            # Pinned before _take: its evictions may file blocks in the host tier, and must not
+            # reuse the slots about to be read.
+            for slot in match.host_slots:
+                self.host.pin(slot)
+            self.num_host_hit_tokens += len(match.host_slots) * self.block_size
+        first_new = len(table.block_ids)
         self._take(table, num_blocks - len(match.block_ids))
+        onboards = self._copies.onboards
+        for i, slot in enumerate(match.host_slots):
+            onboards.append((slot, table.block_ids[first_new + i]))
 
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether `table` can grow to cover `num_tokens` tokens."""
@@ -172,10 +221,48 @@ class BlockPool:
                 del self._hash_to_block[h]
                 self._hash[b] = None
                 evicted.append(h)
+                if self.host is not None:
+                    self._offload(b)
             ref[b] = 1
             table.block_ids.append(b)
         if evicted:
             self._events.append(BlockRemoved(tuple(evicted)))
+
+    def _offload(self, block: int) -> None:
+        """Files an evicted block in the host tier and queues its copy there."""
+        assert self.host is not None
+        meta = self._meta[block]
+        self._meta[block] = None
+        if meta is None:
+            return
+        slot = self.host.store(meta)
+        if slot is not None:
+            self._copies.offloads.append((block, slot))
+
+    def take_copies(self) -> BlockCopies:
+        """The copies queued since the previous call (offloads, then onboards); the caller runs
+        them before the next forward pass and unpins each onboard's host slot."""
+        copies, self._copies = self._copies, BlockCopies()
+        return copies
+
+    def forget_blocks(self, block_ids: Sequence[int]) -> None:
+        """Unregisters the hashes of `block_ids` (their KV cannot be trusted: a failed onboard)
+        with a BlockRemoved; the blocks stay held by whoever holds them."""
+        removed = []
+        for b in block_ids:
+            h = self._hash[b]
+            if h is None:
+                continue
+            del self._hash_to_block[h]
+            self._hash[b] = None
+            if self._meta:
+                self._meta[b] = None
+            removed.append(h)
+            if self._ref[b] == 0:
+                del self._cached_free[b]
+                self._empty.append(b)
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
 
     # ---- caching, release ------------------------------------------------------------------
 
@@ -196,7 +283,8 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         run_start = -1
-        lookup, block_hash = self._hash_to_block, self._hash
+        lookup, block_hash, meta = self._hash_to_block, self._hash, self._meta
+        bs = self.block_size
         for i in range(start, num_full_blocks):
             h = hashes[i]
             b = table.block_ids[i]
@@ -207,6 +295,11 @@ class BlockPool:
                 continue
             lookup[h] = b
             block_hash[b] = h
+            if meta:
+                mm = (tuple(mm_hashes_per_block[i])
+                      if mm_hashes_per_block and i < len(mm_hashes_per_block) else ())
+                meta[b] = BlockStored((h,), hashes[i - 1] if i else None,
+                                      tuple(token_ids[i * bs:(i + 1) * bs]), bs, mm, KvTier.HOST)
             if run_start < 0:
                 run_start = i
         if run_start >= 0:
@@ -246,18 +339,28 @@ class BlockPool:
         table.num_committed = 0
 
     def clear(self) -> None:
-        """Forgets every cached hash (held blocks stay held but become private) and publishes
-        AllBlocksCleared."""
+        """Forgets every cached hash in both tiers (held blocks stay held but become private)
+        and publishes AllBlocksCleared."""
         for b in self._hash_to_block.values():
             self._hash[b] = None
+            if self._meta:
+                self._meta[b] = None
         self._hash_to_block.clear()
         self._empty.extend(self._cached_free)
         self._cached_free.clear()
+        if self.host is not None:
+            self.host.clear()
         self._events.append(AllBlocksCleared())
+
+    def hashes(self) -> set[int]:
+        """Every block hash the device pool holds (tests, resync checks)."""
+        return set(self._hash_to_block)
 
     def take_events(self) -> list[KvEvent]:
         """The events since the previous call, oldest first."""
-        events, self._events = self._events, []
+        # Emptied in place: the host tier appends to the same list.
+        events = self._events[:]
+        self._events.clear()
         return events
 
     # ---- checks (tests, debugging) --------------------------------------------------------
@@ -281,6 +384,11 @@ class BlockPool:
             if h is not None:
                 assert self._hash_to_block.get(h) == b, f"block {b} hash not indexed"
         assert len(self._hash_to_block) == sum(h is not None for h in self._hash)
+        if self.host is not None:
+            for b in range(self.total):
+                assert (self._meta[b] is None) == (self._hash[b] is None), \
+                    f"block {b}: host-tier metadata out of step with its hash"
+            self.host.check_invariants([slot for slot, _ in self._copies.onboards])
         if tables is None:
             return
         counts = [0] * self.total

@@ -8,7 +8,7 @@ import secrets
 from collections import deque
 from collections.abc import Sequence
 
-from tandem.engines.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from tandem.engines.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvTier
 
 
 class EventLog:
@@ -21,7 +21,8 @@ class EventLog:
         already dropped: the subscriber must then resync from `snapshot()`, which is consistent
         with exactly the returned sequence number.
       - The snapshot follows the events as they are appended (stored adds blocks, removed drops
-        them, cleared drops all), so it never needs the dropped batches.
+        them, cleared drops all), each tier on its own (a hash may be stored in the device pool
+        and the host tier at once), so it never needs the dropped batches.
       - Call every method from the event loop's thread (the engine's loop); `wait_beyond` wakes
         waiters without polling.
     """
@@ -35,10 +36,10 @@ class EventLog:
         self.capacity = capacity
         self._batches: deque[tuple[int, tuple[KvEvent, ...]]] = deque(maxlen=capacity)
         self._last = 0
-        # hash -> the block as a single-block BlockStored. Insertion order is not enough for
-        # parents-before-children (a parent can be evicted and stored again after its child);
-        # snapshot() orders them.
-        self._stored: dict[int, BlockStored] = {}
+        # hash -> tier -> the block as a single-block BlockStored. Insertion order is not enough
+        # for parents-before-children (a parent can be evicted and stored again after its
+        # child); snapshot() orders them.
+        self._stored: dict[int, dict[KvTier, BlockStored]] = {}
         self._changed = asyncio.Event()
 
     @property
@@ -71,14 +72,18 @@ class EventLog:
             bs = event.block_size
             parent = event.parent_hash
             for i, h in enumerate(event.block_hashes):
-                self._stored[h] = BlockStored(
+                self._stored.setdefault(h, {})[event.tier] = BlockStored(
                     block_hashes=(h,), parent_hash=parent,
                     token_ids=event.token_ids[i * bs:(i + 1) * bs], block_size=bs,
-                    mm_hashes=event.mm_hashes)
+                    mm_hashes=event.mm_hashes, tier=event.tier)
                 parent = h
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
-                self._stored.pop(h, None)
+                tiers = self._stored.get(h)
+                if tiers is not None:
+                    tiers.pop(event.tier, None)
+                    if not tiers:
+                        del self._stored[h]
         elif isinstance(event, AllBlocksCleared):
             self._stored.clear()
         else:
@@ -96,30 +101,34 @@ class EventLog:
         return list(itertools.islice(self._batches, start - oldest, None))
 
     def snapshot(self) -> tuple[int, list[BlockStored]]:
-        """(the sequence number it reflects, every stored block as a single-block BlockStored,
-        parents before children)."""
+        """(the sequence number it reflects, every stored block as a single-block BlockStored
+        per tier holding it, parents before children)."""
         stored = self._stored
         out: list[BlockStored] = []
         emitted: set[int] = set()
-        for h, block in stored.items():
+        for h, tiers in stored.items():
             if h in emitted:
                 continue
             # Walk up to the first ancestor already emitted (or absent), then emit downwards.
-            chain = [block]
+            chain = [h]
             in_chain = {h}  # guards against a cycle from a malformed event
-            parent = block.parent_hash
+            parent = _parent(tiers)
             while (parent is not None and parent in stored and parent not in emitted
                    and parent not in in_chain):
-                ancestor = stored[parent]
-                chain.append(ancestor)
+                chain.append(parent)
                 in_chain.add(parent)
-                parent = ancestor.parent_hash
+                parent = _parent(stored[parent])
             for item in reversed(chain):
-                emitted.add(item.block_hashes[0])
-                out.append(item)
+                emitted.add(item)
+                out.extend(stored[item].values())
         return self._last, out
 
     async def wait_beyond(self, sequence: int) -> None:
         """Returns once `last_sequence > sequence`."""
         while self._last <= sequence:
             await self._changed.wait()
+
+
+def _parent(tiers: dict[KvTier, BlockStored]) -> int | None:
+    """A block's parent hash (the same in every tier: it is part of what the hash covers)."""
+    return next(iter(tiers.values())).parent_hash

@@ -23,7 +23,7 @@ class DeploymentPool:
     """A pool of workers the launcher starts and the router picks among."""
 
     name: str = "decode"
-    #: decode, agg (aggregated grid pools), prefill or encode.
+    #: decode, agg (aggregated grid pools), prefill, encode or video (`tandem serve video`).
     kind: str = "decode"
     #: One worker per port.
     ports: list[int] = field(default_factory=list)
@@ -88,6 +88,21 @@ class Deployment:
     #: Frontend: limits on images in requests (--max-file-size-mb, --allowed-local-media-path,
     #: --allowed-media-networks, ...).
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+    #: One video worker (text-to-video diffusion, `tandem serve video`) per port, in a video
+    #: pool the router picks from by least load; the frontend serves /v1/videos. None: no
+    #: video stage.
+    video_ports: list[int] = field(default_factory=list)
+    #: The video workers' model: a diffusers pipeline directory (Wan); unset: a tiny
+    #: random-weight Wan generated on first use.
+    video_model: str = ""
+    #: Name clients pass as `model` to /v1/videos; unset: the video model directory's name.
+    video_served_model_name: str = ""
+    #: Video engine: reference (diffusers) or trtllm (TensorRT-LLM visual_gen).
+    video_engine: str = "reference"
+    #: Where video workers write MP4s; unset: their default (/tmp/tandem_media).
+    media_output_dir: str = ""
+    #: Extra flags for every video worker (e.g. --dtype bfloat16, --max-num-frames 161).
+    video_worker_flags: list[str] = field(default_factory=list)
     # == reliability ==
     #: Seconds each service gets to drain on shutdown.
     grace_period_s: float = 30.0
@@ -159,7 +174,28 @@ def pools(d: Deployment) -> list[DeploymentPool]:
     if d.encode_ports:
         # Round robin: the kv policy has nothing to match on an encode worker.
         shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports)))
+    if d.video_ports:
+        # Least loaded: a video job holds its worker for seconds to minutes; the shortest
+        # queue (reported running + waiting jobs) goes first.
+        shorthand.append(DeploymentPool("video", "video", list(d.video_ports), "least_loaded"))
     return shorthand
+
+
+def video_model_name(d: Deployment) -> str:
+    """The served name of the video model (what /v1/videos requests name)."""
+    if d.video_served_model_name:
+        return d.video_served_model_name
+    return pathlib.Path(d.video_model).name if d.video_model else "tandem-wan-tiny"
+
+
+def _video_worker(d: Deployment, name: str, port: int, common: list[str],
+                  worker_flags: list[str]) -> ServiceProcess:
+    flags = ["--engine", d.video_engine, "--served-model-name", video_model_name(d)]
+    flags += ["--model", d.video_model] if d.video_model else []
+    flags += ["--media-output-dir", d.media_output_dir] if d.media_output_dir else []
+    return ServiceProcess(name, f"{d.host}:{port}", _serve(
+        "video", "--host", d.host, "--port", str(port), *flags, *common, *worker_flags,
+        *d.video_worker_flags))
 
 
 def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
@@ -197,6 +233,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
         *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
         "--engine", d.engine, *model, *common, *engine_flags, *worker_flags, *pool.worker_flags))
+        if pool.kind != "video" else
+        _video_worker(d, f"{pool.name}-{i}", port, common, [*worker_flags, *pool.worker_flags])
         for pool in pools(d) for i, port in enumerate(pool.ports)]
     if d.worker_metrics_ports:
         if len(d.worker_metrics_ports) != len(workers):
@@ -219,6 +257,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
+    if any(pool.kind == "video" for pool in pools(d)):
+        frontend_flags += ["--video-model", video_model_name(d)]
     if d.tool_call_parser:
         frontend_flags += ["--tool-call-parser", d.tool_call_parser]
     if d.reasoning_parser:

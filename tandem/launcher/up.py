@@ -18,7 +18,13 @@ from collections.abc import Sequence
 
 from tandem.cli import TERMINATION_LOG_ENV
 from tandem.errors import TandemError
-from tandem.launcher.deployment import Deployment, ServiceProcess, processes, with_model
+from tandem.launcher.deployment import (
+    Deployment,
+    ServiceProcess,
+    processes,
+    video_model_name,
+    with_model,
+)
 from tandem.model.demo import ensure_demo_model
 from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.runtime import config as config_lib
@@ -148,8 +154,17 @@ def _banner(d: Deployment, model_dir: str, name: str) -> str:
             f"tokenizer={model_dir.rstrip('/')}/\n"
             f"Tandem is up: OpenAI API at {url}/v1, gRPC Inference API at {d.host}:{d.grpc_port}\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{body}'\n"
+            f"-d '{body}'\n" + _video_banner(d, url) +
             "Press Ctrl-C to stop.")
+
+
+def _video_banner(d: Deployment, url: str) -> str:
+    if not d.video_ports:
+        return ""
+    body = json.dumps({"model": video_model_name(d), "prompt": "a red fox in the snow",
+                       "size": "320x192", "num_frames": 9, "num_inference_steps": 4,
+                       "response_format": "url"})
+    return (f"  curl {url}/v1/videos -H 'Content-Type: application/json' -d '{body}'\n")
 
 
 async def run(d: Deployment) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from tandem.runtime.tls import TlsConfig
 
-POOL_KINDS = ("decode", "prefill", "agg", "encode")
+POOL_KINDS = ("decode", "prefill", "agg", "encode", "video")
 
 
 @dataclass(frozen=True)
@@ -13,8 +13,9 @@ class PoolConfig:
     """One pool of workers and how the router picks among them."""
 
     name: str = ""
-    #: decode, prefill (disaggregated grid pools), agg (aggregated grid pools) or encode
-    #: (vision encoders, asked only for requests with images).
+    #: decode, prefill (disaggregated grid pools), agg (aggregated grid pools), encode
+    #: (vision encoders, asked only for requests with images) or video (diffusion workers,
+    #: asked only for video requests).
     kind: str = "decode"
     #: Static worker addresses, host:port (each address is also the worker's id).
     workers: list[str] = field(default_factory=list)
@@ -29,6 +30,11 @@ class PoolConfig:
     prefill_load_scale: float = 2.0
     #: kv policy: 0 picks the cheapest; > 0 samples by softmax over -cost / temperature.
     temperature: float = 0.0
+    #: kv policy: cost of a prefix block a worker holds in its host KV tier (copied back, not
+    #: recomputed) as a share of recomputing it, 0..1; a device hit costs 0. 0.3: copying a
+    #: block's KV over PCIe takes about a third of the time to prefill it
+    #: (tandem.routing.policies.DEFAULT_HOST_HIT_COST gives the figures).
+    host_hit_cost: float = 0.3
 
 
 @dataclass(frozen=True)

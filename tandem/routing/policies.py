@@ -13,11 +13,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from tandem.errors import InvalidRequest
-from tandem.routing.prefix_index import PrefixIndex
+from tandem.routing.prefix_index import PrefixIndex, TierOverlap
 from tandem.routing.workers import RouteContext, WorkerState
 
-#: A ranked candidate: the worker and how many leading prompt blocks it already holds.
+#: A ranked candidate: the worker and how many leading prompt blocks it already holds (in
+#: either KV tier: host-tier blocks are copied back, not recomputed).
 Ranked = list[tuple[WorkerState, int]]
+
+#: Default cost of a host-tier hit, as a share of recomputing the block (KvPolicy).
+#: Onboarding a block moves its KV over the host link while recomputing it runs the model over
+#: its tokens. For a Llama-3-8B layout (128 KiB of bf16 KV per token) over PCIe 4 x16 from
+#: pinned memory (~25 GB/s) a token's KV takes ~5 us to copy, against ~15 us to prefill
+#: (Dynamo mocker's prefill model, 1.5e-2 ms per token, fitted on an 8B model on one GPU):
+#: about a third. PCIe 5 or NVLink-C2C hosts copy faster (toward 0.1); 0.3 errs toward the
+#: device hit, which costs no copy and no host-link time shared with offloads.
+DEFAULT_HOST_HIT_COST = 0.3
 
 
 class WorkerPolicy(ABC):
@@ -114,10 +124,13 @@ class KvPolicy(WorkerPolicy):
     """KV-aware: the lowest estimated cost of serving the request, prefix reuse included.
 
         new_prompt_blocks = max(len(ctx.block_hashes), ceil(ctx.isl / worker.block_size))
+        overlap = device_blocks + (1 - host_hit_cost) * host_blocks
         cost = prefill_load_scale * max(active_prefill_blocks + new_prompt_blocks
-                                        - overlap_blocks, 0) + active_decode_blocks
+                                        - overlap, 0) + active_decode_blocks
 
-    overlap_blocks is the worker's leading-block match in the prefix index. Lowest cost first;
+    device_blocks and host_blocks are the worker's leading-block match in the prefix index (a
+    device run, then a host-tier run the worker copies back): a host hit costs host_hit_cost of
+    a recomputed block, a device hit nothing. Lowest cost first;
     equal costs by fewer active requests, then at random. With temperature > 0 the first choice
     is sampled with p ~ exp(-c' / temperature), c' being the cost rescaled to [0, 1] over the
     candidates (all equal: uniform), so the temperature means the same at any load level; the
@@ -127,14 +140,21 @@ class KvPolicy(WorkerPolicy):
         index: the pool's prefix index, fed by its workers' KV events.
         prefill_load_scale: weight of prefill work against decode work (>= 0); 0 ignores the
             prefix cache and balances on decode blocks alone.
+        host_hit_cost: cost of a host-tier hit relative to recomputing the block, 0..1
+            (DEFAULT_HOST_HIT_COST says why 0.3).
         temperature: 0 for the deterministic minimum; > 0 for softmax sampling.
         seed: seeds tie-breaking and sampling.
     Raises:
-        InvalidRequest: a negative prefill_load_scale or temperature.
+        InvalidRequest: a negative prefill_load_scale or temperature, a host_hit_cost outside
+            0..1.
     """
 
     def __init__(self, index: PrefixIndex, prefill_load_scale: float = 1.0,
-                 temperature: float = 0.0, seed: int | None = None) -> None:
+                 temperature: float = 0.0, seed: int | None = None,
+                 host_hit_cost: float = DEFAULT_HOST_HIT_COST) -> None:
+        if not 0 <= host_hit_cost <= 1:
+            raise InvalidRequest(f"host_hit_cost must be within 0..1, got {host_hit_cost}",
+                                 param="host_hit_cost")
         if not prefill_load_scale >= 0:
             raise InvalidRequest(f"prefill_load_scale must be >= 0, got {prefill_load_scale}",
                                  param="prefill_load_scale")
@@ -144,24 +164,31 @@ class KvPolicy(WorkerPolicy):
         self.index = index
         self.prefill_load_scale = prefill_load_scale
         self.temperature = temperature
+        self.host_hit_cost = host_hit_cost
         self._rng = random.Random(seed)
 
-    def cost(self, worker: WorkerState, ctx: RouteContext, overlap_blocks: int) -> float:
-        """The cost formula above for one worker."""
+    def cost(self, worker: WorkerState, ctx: RouteContext,
+             overlap_blocks: int | TierOverlap) -> float:
+        """The cost formula above for one worker (an int overlap is all device blocks)."""
+        overlap = (TierOverlap(overlap_blocks, 0) if isinstance(overlap_blocks, int)
+                   else overlap_blocks)
         new_blocks = max(len(ctx.block_hashes), -(-ctx.isl // worker.block_size))
-        prefill = max(worker.active_prefill_blocks + new_blocks - overlap_blocks, 0)
+        saved = overlap.device + (1 - self.host_hit_cost) * overlap.host
+        prefill = max(worker.active_prefill_blocks + new_blocks - saved, 0)
         return self.prefill_load_scale * prefill + worker.active_decode_blocks
 
     def rank(self, workers: Sequence[WorkerState], ctx: RouteContext) -> Ranked:
         candidates = _healthy(workers)
         if not candidates:
             return []
-        overlaps = self.index.overlaps(ctx.block_hashes)
+        overlaps = self.index.overlaps_by_tier(ctx.block_hashes)
         rnd = self._rng.random
         scored = []
+        none = TierOverlap(0, 0)
         for w in candidates:
-            overlap = overlaps.get(w.worker_id, 0)
-            scored.append((self.cost(w, ctx, overlap), w.active_requests, rnd(), w, overlap))
+            overlap = overlaps.get(w.worker_id, none)
+            scored.append((self.cost(w, ctx, overlap), w.active_requests, rnd(), w,
+                           overlap.total))
         scored.sort(key=lambda s: s[:3])
         if self.temperature > 0 and len(scored) > 1:
             first = self._sample(scored)

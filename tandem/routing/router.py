@@ -62,6 +62,8 @@ class RouteRequestInfo:
     #: excluded), whatever the policy says: e.g. where another choice of the same prompt is
     #: cached. The others keep the policy's order behind them.
     prefer_ids: Sequence[str] = ()
+    #: A video generation: picked from video pools only (no tokens, no KV).
+    video: bool = False
 
 
 class Router:
@@ -76,14 +78,14 @@ class Router:
             if cfg.kind not in POOL_KINDS:
                 raise InvalidRequest(f"pools[{i}].kind must be one of {', '.join(POOL_KINDS)}, "
                                      f"got '{cfg.kind}'", param=f"pools[{i}].kind")
-            if cfg.kind == "encode" and cfg.policy == "kv":
-                # Encode workers hold no KV: there is no prefix to match.
-                raise InvalidRequest(f"pools[{i}] is an encode pool; its policy cannot be 'kv'",
-                                     param=f"pools[{i}].policy")
+            if cfg.kind in ("encode", "video") and cfg.policy == "kv":
+                # Encode and video workers hold no KV: there is no prefix to match.
+                raise InvalidRequest(f"pools[{i}] is an {cfg.kind} pool; its policy cannot be "
+                                     "'kv'", param=f"pools[{i}].policy")
             options: dict[str, object] = {}
             if cfg.policy == "kv":
                 options = {"index": self.index, "prefill_load_scale": cfg.prefill_load_scale,
-                           "temperature": cfg.temperature}
+                           "temperature": cfg.temperature, "host_hit_cost": cfg.host_hit_cost}
             pool = Pool(cfg, create_policy(cfg.policy, **options))
             for address in cfg.workers:
                 pool.workers[address] = WorkerState(WorkerRef(address, address, cfg.name),
@@ -113,9 +115,9 @@ class Router:
                                      param="pools")
 
     def can_serve(self) -> bool:
-        """Whether some request could be routed now: a healthy decode or aggregated worker
-        (prefill and encode workers alone serve nothing)."""
-        return any(w.healthy for kind in ("decode", "agg") for pool in self._by_kind[kind]
+        """Whether some request could be routed now: a healthy decode, aggregated or video
+        worker (prefill and encode workers alone serve nothing)."""
+        return any(w.healthy for kind in ("decode", "agg", "video") for pool in self._by_kind[kind]
                    for w in list(pool.workers.values()))
 
     def all_workers(self) -> list[WorkerState]:
@@ -181,7 +183,9 @@ class Router:
         part not cached on that worker is longer than `max_local_prefill_length`, a prefill
         worker. Without a healthy prefill worker the request is served aggregated. A request
         with images also gets encode workers, when encode pools have healthy ones (without, the
-        prefill or decode worker encodes them itself)."""
+        prefill or decode worker encodes them itself). A video request gets video workers."""
+        if info.video:
+            return self._route_video(info)
         hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
                                                                self.block_size))
         ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
@@ -213,6 +217,17 @@ class Router:
                              prefill_workers=tuple(w.ref for w, _ in prefill_ordered),
                              encode_workers=tuple(w.ref for w, _ in encode_ordered),
                              disaggregate=bool(prefill_ordered), overlap_blocks=overlap)
+
+    def _route_video(self, info: RouteRequestInfo) -> RouteDecision:
+        """The video pools' candidates in policy order (least loaded: the shortest queue); the
+        pick carries the request until it completes."""
+        ctx = RouteContext(info.request_id, (), 0, 0, info.sla)
+        ordered = self._rank(self._by_kind["video"], ctx, set(info.exclude_ids))
+        if not ordered:
+            raise Unavailable("no healthy video worker")
+        self._release(info.request_id)
+        self._handed[info.request_id] = [self._hand_out(ordered[0][0], 0, 0)]
+        return RouteDecision(decode_workers=(), video_workers=tuple(w.ref for w, _ in ordered))
 
     @staticmethod
     def _hand_out(worker: WorkerState, prefill_blocks: int, decode_blocks: int

@@ -173,3 +173,5 @@ class RouteDecision:
     encode_workers: tuple[WorkerRef, ...] = ()
     disaggregate: bool = False
     overlap_blocks: int = 0
+    #: Ordered video workers (video requests only; decode_workers is then empty).
+    video_workers: tuple[WorkerRef, ...] = ()

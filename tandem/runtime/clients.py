@@ -109,6 +109,23 @@ class RouterClient:
                              disaggregate=reply.disaggregate,
                              overlap_blocks=reply.overlap_blocks)
 
+    async def route_video(self, request_id: str, exclude_ids: tuple[str, ...] = ()
+                          ) -> tuple[WorkerRef, ...]:
+        """Video workers for a video request, best first (RouteRequest.video)."""
+        request = router_pb2.RouteRequest(request_id=request_id, video=True,
+                                          exclude_worker_ids=exclude_ids,
+                                          completed=self._take_pending())
+        with _client_span("Router", "Route", self.address) as span:
+            try:
+                reply = await self._stub.Route(request, timeout=self.timeout_s, metadata=(
+                    (REQUEST_ID_KEY, request_id), *tracing.inject(span)))
+            except BaseException as exc:
+                self._requeue(list(request.completed))
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise status.from_rpc_error(exc, f"router {self.address}") from None
+                raise
+        return tuple(_ref(w) for w in reply.video_workers)
+
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
         self._requeue([router_pb2.Completion(
             request_id=request_id, outcome=_OUTCOMES[outcome], output_tokens=output_tokens)])

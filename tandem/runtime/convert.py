@@ -185,9 +185,18 @@ def embedding_to_pb(item: t.Embedding) -> pb.MultimodalEmbedding:
     return msg
 
 
+_TIER_TO_PB = {t.KvTier.DEVICE: ev_pb.KV_TIER_DEVICE, t.KvTier.HOST: ev_pb.KV_TIER_HOST}
+
+
+def _tier_from_pb(value: int) -> t.KvTier:
+    # Unspecified (an older worker) and any value this build does not know read as device.
+    return t.KvTier.HOST if value == ev_pb.KV_TIER_HOST else t.KvTier.DEVICE
+
+
 def stored_to_pb(event: t.BlockStored) -> ev_pb.BlockStored:
     msg = ev_pb.BlockStored(block_hashes=event.block_hashes, token_ids=event.token_ids,
-                            block_size=event.block_size, mm_hashes=event.mm_hashes)
+                            block_size=event.block_size, mm_hashes=event.mm_hashes,
+                            tier=_TIER_TO_PB[event.tier])
     if event.parent_hash is not None:
         msg.parent_hash = event.parent_hash
     return msg
@@ -197,7 +206,8 @@ def kv_event_to_pb(event: t.KvEvent) -> ev_pb.KvEvent:
     if isinstance(event, t.BlockStored):
         return ev_pb.KvEvent(stored=stored_to_pb(event))
     if isinstance(event, t.BlockRemoved):
-        return ev_pb.KvEvent(removed=ev_pb.BlockRemoved(block_hashes=event.block_hashes))
+        return ev_pb.KvEvent(removed=ev_pb.BlockRemoved(block_hashes=event.block_hashes,
+                                                        tier=_TIER_TO_PB[event.tier]))
     return ev_pb.KvEvent(cleared=ev_pb.AllBlocksCleared())
 
 
@@ -237,7 +247,8 @@ def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
 def stored_from_pb(msg: ev_pb.BlockStored) -> t.BlockStored:
     return t.BlockStored(tuple(msg.block_hashes),
                          msg.parent_hash if msg.HasField("parent_hash") else None,
-                         tuple(msg.token_ids), msg.block_size, tuple(msg.mm_hashes))
+                         tuple(msg.token_ids), msg.block_size, tuple(msg.mm_hashes),
+                         _tier_from_pb(msg.tier))
 
 
 def kv_event_from_pb(msg: ev_pb.KvEvent) -> t.KvEvent:
@@ -245,5 +256,6 @@ def kv_event_from_pb(msg: ev_pb.KvEvent) -> t.KvEvent:
     if kind == "stored":
         return stored_from_pb(msg.stored)
     if kind == "removed":
-        return t.BlockRemoved(tuple(msg.removed.block_hashes))
+        return t.BlockRemoved(tuple(msg.removed.block_hashes),
+                              _tier_from_pb(msg.removed.tier))
     return t.AllBlocksCleared()

@@ -29,7 +29,8 @@ REQUEST_ID_KEY = "x-request-id"
 #: streams and stats (periodic or long-lived) do not.
 TRACED_METHODS = frozenset({
     "/tandem.v1.Inference/Generate", "/tandem.v1.Router/Route", "/tandem.v1.Encode/Encode",
-    "/tandem.v1.Prefill/Prefill", "/tandem.v1.Prefill/Release", "/tandem.v1.Decode/Generate"})
+    "/tandem.v1.Prefill/Prefill", "/tandem.v1.Prefill/Release", "/tandem.v1.Decode/Generate",
+    "/tandem.v1.Video/Generate"})
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:

@@ -18,14 +18,23 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from tandem.engines.base import Engine
+from tandem.engines.base import Progress
 from tandem.errors import TandemError, Unimplemented
 
 log = logging.getLogger(__name__)
 
 #: Reports the verdict to whoever publishes health (GrpcService.set_serving in a worker).
 SetServing = Callable[[bool], Awaitable[None]]
+
+
+class ProgressSource(Protocol):
+    """What the watchdog samples: an LLM engine, or a video worker's job runner."""
+
+    def progress(self) -> Progress | None: ...
+
+    async def health_canary(self, timeout_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class ProgressWatchdog:
     when the verdict changes. `is_allowed` says whether it may still publish (False once the
     worker drains: shutdown owns health from then on)."""
 
-    def __init__(self, engine: Engine, config: WatchdogConfig, set_serving: SetServing,
+    def __init__(self, engine: ProgressSource, config: WatchdogConfig, set_serving: SetServing,
                  is_allowed: Callable[[], bool] = lambda: True) -> None:
         self.engine = engine
         self.config = config

@@ -24,6 +24,12 @@ _GAUGES = (
     ("tandem_kv_leases", "Prefill leases held for decode workers", "kv_leases"),
     ("tandem_kv_loading_requests", "Requests whose KV is being read", "num_loading"),
     ("tandem_encode_cache_images", "Images in the encoder cache", "encode_cache_size"),
+    ("tandem_worker_kv_host_blocks_used", "KV blocks held in the host tier",
+     "kv_host_blocks_used"),
+    ("tandem_worker_kv_host_blocks_total", "KV blocks the host tier can hold",
+     "kv_host_blocks_total"),
+    ("tandem_worker_kv_host_hit_rate", "Share of prompt tokens served from the host KV tier",
+     "kv_host_hit_rate"),
 )
 #: (name without _total, help, EngineStats field) of the counters.
 _COUNTERS = (
@@ -36,6 +42,18 @@ _COUNTERS = (
     ("tandem_encode_images", "Images the encoder ran on", "num_encoded_images"),
     ("tandem_encode_cache_hits", "Images answered from the encoder cache (by content hash)",
      "encode_cache_hits"),
+    ("tandem_kv_offload_blocks", "KV blocks copied from the device pool to the host tier",
+     "kv_offload_blocks"),
+    ("tandem_kv_offload_bytes", "Bytes of KV copied from the device pool to the host tier",
+     "kv_offload_bytes"),
+    ("tandem_kv_offload_seconds", "Time spent copying KV to the host tier (divide by "
+     "_offload_blocks for the latency per block)", "kv_offload_seconds"),
+    ("tandem_kv_onboard_blocks", "KV blocks copied back from the host tier for prefix hits",
+     "kv_onboard_blocks"),
+    ("tandem_kv_onboard_bytes", "Bytes of KV copied back from the host tier",
+     "kv_onboard_bytes"),
+    ("tandem_kv_onboard_seconds", "Time spent copying KV back from the host tier",
+     "kv_onboard_seconds"),
 )
 #: KV reads: sub-millisecond (shared memory, NVLink) to tens of seconds (long prompts over TCP).
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,

@@ -27,7 +27,8 @@ from tandem.launcher import up
 from tandem.launcher.deployment import Deployment, processes
 from tandem.routing.config import RouterConfig
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.v1 import inference_pb2, router_pb2
+from tandem.v1 import inference_pb2, router_pb2, video_pb2
+from tandem.video.config import VideoWorkerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -41,10 +42,11 @@ HEALTH_SERVICE = {
     "frontend": inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     "router": router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
     **{stage: spec.service_name for stage, spec in STAGES.items()},
+    "video": video_pb2.DESCRIPTOR.services_by_name["Video"].full_name,
 }
 TOPOLOGY_PROFILES = {"gpu": {"frontend", "router", "prefill", "decode"},
                      "cpu": {"frontend", "router", "prefill", "decode"},
-                     "encode": {"encode"}}
+                     "encode": {"encode"}, "video": {"video"}}
 OBSERVABILITY = {"prometheus", "grafana", "jaeger"}
 
 
@@ -238,7 +240,7 @@ def test_every_tandem_command_parses_with_the_cli() -> None:
     compose = load_compose()
     services = tandem_services(compose)
     parsed = parsed_services(compose)
-    assert len(parsed) == len(services) == 9
+    assert len(parsed) == len(services) == 10
     for name, (stage, config) in parsed.items():
         assert config.host == "0.0.0.0", f"{name} must listen on every interface"
         assert config.grace_period_s > 0
@@ -250,6 +252,9 @@ def test_every_tandem_command_parses_with_the_cli() -> None:
             assert config.disaggregation_mode in STAGES[stage].modes
         elif stage == "router":
             build_router(config)  # pools, kinds and policies are valid
+        elif stage == "video":
+            assert isinstance(config, VideoWorkerConfig)
+            assert config.worker_id == f"{name}:{config.port}"
         else:
             assert isinstance(config, FrontendConfig)
 
@@ -279,6 +284,10 @@ def test_gpu_workers_run_trtllm_on_one_reserved_gpu() -> None:
             if stage in WORKER_STAGES:
                 assert (config.engine, config.engine_args.device) == ("reference", "cpu")
                 assert config.engine_args.model == "", "the cpu profile serves the demo model"
+            continue
+        if stage == "video":  # diffusers on the GPU (visual_gen is not in the release image)
+            assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+            assert (config.engine, config.engine_args.device) == ("reference", "cuda")
             continue
         if stage not in WORKER_STAGES:
             assert devices == [], f"{name} needs no GPU"
@@ -331,7 +340,8 @@ def test_referenced_files_exist() -> None:
             assert dockerfile_of(service).is_file(), name
             checked += 1
         for source, _ in bind_mounts(service):
-            if not source.startswith("./models"):  # MODEL_DIR's default: the user's checkpoint
+            # MODEL_DIR's and VIDEO_MODEL_DIR's defaults: the user's checkpoints.
+            if not source.startswith(("./models", "./video-models")):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
                 checked += 1
     provisioning = ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "tandem.yml"
@@ -354,14 +364,15 @@ def test_router_pools_point_at_the_worker_services() -> None:
         _, router = topology["router"]
         assert isinstance(router, RouterConfig)
         kinds = {"prefill": "prefill", "decode": "decode"}
-        assert sorted(p.kind for p in router.pools) == sorted([*kinds.values(), "encode"])
+        assert sorted(p.kind for p in router.pools) == sorted([*kinds.values(), "encode",
+                                                               "video"])
         for pool in router.pools:
             assert pool.dns and not pool.workers, "DNS pools follow `--scale`"
             host, _, port = pool.dns.rpartition(":")
-            if pool.kind == "encode":  # its worker runs in the encode profile only
-                _, encoder = parse_serve(services["encode"]["command"])
-                assert host in dns_names("encode", services["encode"])
-                assert int(port) == encoder.port
+            if pool.kind in ("encode", "video"):  # their workers run in their own profiles
+                _, worker = parse_serve(services[pool.kind]["command"])
+                assert host in dns_names(pool.kind, services[pool.kind])
+                assert int(port) == worker.port
                 continue
             stage = next(s for s, k in kinds.items() if k == pool.kind)
             name, worker = topology[stage]
@@ -429,6 +440,6 @@ def test_compose_agrees_with_tandem_up(tmp_path: pathlib.Path) -> None:
     # The encode pool stays empty unless the encode profile runs (`tandem up` adds one only
     # with --encode-ports).
     assert sorted(p.kind for p in up_stages["router"][0].resolved_pools()) == sorted(
-        p.kind for p in router.resolved_pools() if p.kind != "encode")
+        p.kind for p in router.resolved_pools() if p.kind not in ("encode", "video"))
     assert up_stages["frontend"][0].router_address.rpartition(":")[2] == str(router.port)
     assert compose["frontend"][1].router_address.rpartition(":")[2] == str(router.port)

@@ -17,17 +17,19 @@ from services.frontend.main import FrontendConfig
 from services.router.main import build_router
 from tandem.routing.config import RouterConfig
 from tandem.runtime.worker_config import WorkerConfig
-from tandem.v1 import inference_pb2, router_pb2
+from tandem.v1 import inference_pb2, router_pb2, video_pb2
+from tandem.video.config import VideoWorkerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "compose.yaml"
-STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode"}
+STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode", "video"}
 WORKER_STAGES = set(STAGES)
 HEALTH_SERVICE = {
     "frontend": inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     "router": router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
     **{stage: spec.service_name for stage, spec in STAGES.items()},
+    "video": video_pb2.DESCRIPTOR.services_by_name["Video"].full_name,
 }
 #: The value a `fieldRef` env var stands for while parsing (say, status.podIP).
 FIELD_REF_PLACEHOLDER = "10.1.2.3"
@@ -120,7 +122,7 @@ def test_every_manifest_parses_and_is_listed() -> None:
     kinds = [d["kind"] for d in manifests()]
     for doc in manifests():
         assert doc["apiVersion"] and doc["metadata"]["name"]
-    assert kinds.count("Deployment") == 5
+    assert kinds.count("Deployment") == 6
     assert kinds.count("ServiceMonitor") == 1 and kinds.count("ConfigMap") == 1
     assert set(of_kind("Namespace")) == {namespace()}
 
@@ -134,7 +136,7 @@ def test_one_deployment_per_stage(tmp_path: pathlib.Path) -> None:
 
 def test_container_commands_parse_with_the_cli(tmp_path: pathlib.Path) -> None:
     stages = parsed(tmp_path)
-    assert len(stages) == 5
+    assert len(stages) == 6
     for stage, (deployment, config) in stages.items():
         assert config.host == "0.0.0.0", stage
         ports = {p["containerPort"] for p in container(deployment)["ports"]}
@@ -147,6 +149,9 @@ def test_container_commands_parse_with_the_cli(tmp_path: pathlib.Path) -> None:
             assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         elif stage == "router":
             build_router(config)
+        elif stage == "video":
+            assert isinstance(config, VideoWorkerConfig)
+            assert config.worker_id == f"{FIELD_REF_PLACEHOLDER}:{config.port}"
 
 
 def test_an_unknown_flag_fails_the_parser(tmp_path: pathlib.Path) -> None:
@@ -170,7 +175,7 @@ def test_probes_use_the_grpc_health_service(tmp_path: pathlib.Path) -> None:
         liveness = c["livenessProbe"]["grpc"]
         assert liveness["port"] == grpc_port(config)
         assert liveness.get("service", "") in ("", HEALTH_SERVICE[stage])
-        if stage in WORKER_STAGES:
+        if stage in WORKER_STAGES or stage == "video":
             assert c["startupProbe"]["grpc"] == readiness
 
 
@@ -193,13 +198,13 @@ def test_gpu_stages_request_one_gpu_and_every_container_has_resources(
         resources = container(deployment)["resources"]
         assert resources["requests"]["cpu"] and resources["requests"]["memory"], stage
         assert resources["limits"]["memory"], stage
-        if stage in WORKER_STAGES and config.engine == "trtllm":
+        if (stage in WORKER_STAGES and config.engine == "trtllm") or stage == "video":
             assert resources["requests"]["nvidia.com/gpu"] == 1
             assert resources["limits"]["nvidia.com/gpu"] == 1
             gpus += 1
         else:
             assert "nvidia.com/gpu" not in resources["limits"], stage
-    assert gpus == len(WORKER_STAGES)
+    assert gpus == len(WORKER_STAGES) + 1  # and the video worker
 
 
 # ---- discovery ------------------------------------------------------------------------------
@@ -209,8 +214,8 @@ def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> N
     router = stages["router"][1]
     assert isinstance(router, RouterConfig)
     pools = {p.kind: p for p in router.pools}
-    assert set(pools) == {"prefill", "decode", "encode"}
-    for stage in WORKER_STAGES:
+    assert set(pools) == {"prefill", "decode", "encode", "video"}
+    for stage in [*WORKER_STAGES, "video"]:
         deployment, worker = stages[stage]
         service = headless_service(stage, deployment)
         ports = {p["name"]: p for p in service["spec"]["ports"]}
@@ -220,7 +225,8 @@ def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> N
             continue
         expected = f"{service['metadata']['name']}.{namespace()}.svc.cluster.local:{worker.port}"
         assert pools[stage].dns == expected and not pools[stage].workers
-        assert router.block_size == worker.engine_args.kv_block_size
+        if stage != "video":  # no KV blocks there
+            assert router.block_size == worker.engine_args.kv_block_size
 
 
 def test_frontend_reaches_the_router_service(tmp_path: pathlib.Path) -> None:
@@ -249,7 +255,7 @@ def test_service_monitor_selects_every_metrics_port(tmp_path: pathlib.Path) -> N
                 scraped[service["metadata"]["name"]] = port["port"]
     assert scraped["router"] == stages["router"][1].metrics_port
     assert scraped["frontend"] == stages["frontend"][1].metrics_port
-    for stage in WORKER_STAGES:
+    for stage in [*WORKER_STAGES, "video"]:
         deployment, worker = stages[stage]
         name = headless_service(stage, deployment)["metadata"]["name"]
         assert worker.metrics_port and scraped[name] == worker.metrics_port, stage

@@ -13,10 +13,16 @@ from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.base import Engine, Progress, TransferObserver
+from tandem.engines.batching.host_copies import CopyTiming, HostCopies
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.transfers import KvLoads
-from tandem.engines.batching.validation import check_kv_handle, check_prompt_and_sampling
+from tandem.engines.batching.validation import (  # noqa: F401  (validate_args: re-exported)
+    check_kv_handle,
+    check_prompt_and_sampling,
+    num_host_blocks,
+    validate_args,
+)
 from tandem.engines.guided.matcher import Grammars, Guide
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -37,6 +43,7 @@ from tandem.errors import (
     Unavailable,
 )
 from tandem.kv.block_pool import BlockPool, BlockTable
+from tandem.kv.host_tier import BlockCopies
 from tandem.kv.leases import LeaseTable
 from tandem.kv.transfer import KvTransfer
 
@@ -45,24 +52,6 @@ log = logging.getLogger(__name__)
 
 #: The token a ready request samples this step, with its logprobs when asked for.
 Sampled = tuple[int, TokenLogprob | None]
-
-
-def validate_args(args: EngineArgs) -> None:
-    """Rejects batching arguments no engine can run with, naming the flag."""
-    for name in ("kv_block_size", "max_batch_size", "max_num_tokens", "max_queued_requests"):
-        if getattr(args, name) < 1:
-            raise InvalidRequest(f"{name} must be at least 1, got {getattr(args, name)}",
-                                 param=name)
-    if args.kv_load_failure_policy not in ("recompute", "fail"):
-        raise InvalidRequest("kv_load_failure_policy must be recompute or fail, got "
-                             f"'{args.kv_load_failure_policy}'", param="kv_load_failure_policy")
-    if args.num_gpu_blocks < 0:
-        raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
-                             param="num_gpu_blocks")
-    if args.guided_decoding_backend not in ("xgrammar", "none"):
-        raise InvalidRequest("guided_decoding_backend must be xgrammar or none for this engine, "
-                             f"got '{args.guided_decoding_backend}'",
-                             param="guided_decoding_backend")
 
 
 class BatchingEngine(Engine):
@@ -83,7 +72,10 @@ class BatchingEngine(Engine):
         self._max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._eos_ids = eos_ids
-        self.pool = BlockPool(num_blocks, args.kv_block_size, args.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, args.kv_block_size, args.enable_prefix_caching,
+                              num_host_blocks(args, layout))
+        #: The host tier's copies and counters (idle without a host tier).
+        self.host_copies = HostCopies(self)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
         self._requests: dict[str, BatchRequest] = {}
         self._wakeup = asyncio.Event()
@@ -135,6 +127,13 @@ class BatchingEngine(Engine):
         if self._transfer is None:
             self._transfer = self._create_transfer()
         return self._transfer
+
+    async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
+        """Copies evicted device blocks to their host slots, then host slots into their new
+        device blocks (in that order), before this step's forward pass touches them; with
+        `sync`, finished before returning (a KV read is about to write device blocks). Returns
+        the timings of copies known to have finished. Raises if a copy failed."""
+        raise NotImplementedError(f"the {self.name} engine has no host KV tier")
 
     @abstractmethod
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
@@ -329,8 +328,6 @@ class BatchingEngine(Engine):
     async def _step(self) -> None:
         plan = self.scheduler.schedule()
         self.num_steps += 1
-        for req in plan.loads:
-            self.loads.start(req)
         if not (plan.scheduled or plan.first_tokens or plan.num_preempted or plan.loads
                 or self.scheduler.running):
             if self.leases or self.loads:
@@ -346,6 +343,10 @@ class BatchingEngine(Engine):
             # Admission validates that any request fits an empty pool, so this is a bug; fail
             # loudly rather than spin.
             raise RuntimeError(f"the {self.name} scheduler made no progress with an idle batch")
+        if self.pool.host is not None:  # before anything writes the step's blocks
+            await self.host_copies.run(plan)
+        for req in plan.loads:
+            self.loads.start(req)
         sampled = await self._execute(plan)
         self._apply(plan, sampled)
         self._publish(self.pool.take_events())
@@ -430,4 +431,5 @@ class BatchingEngine(Engine):
             kv_bytes_received=loads.num_bytes,
             kv_transfers_ok=loads.num_ok,
             kv_transfers_failed=loads.num_failed,
+            **self.host_copies.stats_fields(),  # type: ignore[arg-type]
         )

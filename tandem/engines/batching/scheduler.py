@@ -77,6 +77,18 @@ class Scheduler:
     def compact(self) -> None:
         self.running = [r for r in self.running if not r.is_finished]
 
+    def requeue(self, reqs: set[BatchRequest], plan: StepPlan) -> None:
+        """Sends `reqs` (scheduled in `plan`, whose KV could not be copied back from the host
+        tier) back to the front of the waiting queue to recompute, as a preemption would."""
+        plan.scheduled = [(r, n) for r, n in plan.scheduled if r not in reqs]
+        plan.ready = [r for r in plan.ready if r not in reqs]
+        self.running = [r for r in self.running if r not in reqs]
+        for req in reqs:
+            self.pool.free(req.table)
+            req.num_computed = 0
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+
     def _preempt_newest(self) -> BatchRequest:
         victim = self.running.pop()
         self.pool.free(victim.table)
@@ -171,7 +183,8 @@ class Scheduler:
             # At least one token must be computed to produce logits, so never match it all.
             max_blocks = (total - 1) // bs
             match = pool.match_prefix(req.block_hashes(max_blocks, bs), total, max_blocks)
-        cached = len(match.block_ids) * bs
+        # Host-tier hits count as cached: their KV is copied back before this step computes.
+        cached = match.num_blocks * bs
         n = min(total - cached, budget)
         if not pool.can_allocate(cached + n, match):
             return False

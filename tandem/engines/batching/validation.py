@@ -1,7 +1,8 @@
-"""Admission checks of the batching engine: what a request must satisfy before it is queued
-(each failure names the request field at fault)."""
+"""Checks of the batching engine: the arguments it starts with (each failure names the flag),
+and what a request must satisfy before it is queued (each failure names the field at fault)."""
 from __future__ import annotations
 
+from tandem.engines.args import EngineArgs
 from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import FailedPrecondition, InvalidRequest
 from tandem.kv.block_pool import BlockPool
@@ -79,3 +80,38 @@ def check_kv_handle(request: EngineRequest, layout: KvLayout, accepted_backends:
         raise FailedPrecondition(
             f"the KV handle lists {len(handle.block_ids)} blocks but {len(prompt)} tokens "
             f"fill {pool.blocks_for(len(prompt))}", param="kv_handle")
+
+
+def validate_args(args: EngineArgs) -> None:
+    """Rejects batching arguments no engine can run with, naming the flag."""
+    for name in ("kv_block_size", "max_batch_size", "max_num_tokens", "max_queued_requests"):
+        if getattr(args, name) < 1:
+            raise InvalidRequest(f"{name} must be at least 1, got {getattr(args, name)}",
+                                 param=name)
+    if args.kv_load_failure_policy not in ("recompute", "fail"):
+        raise InvalidRequest("kv_load_failure_policy must be recompute or fail, got "
+                             f"'{args.kv_load_failure_policy}'", param="kv_load_failure_policy")
+    if args.num_gpu_blocks < 0:
+        raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
+                             param="num_gpu_blocks")
+    if args.kv_host_cache_bytes < 0:
+        raise InvalidRequest(f"kv_host_cache_bytes must be >= 0, got {args.kv_host_cache_bytes}",
+                             param="kv_host_cache_bytes")
+    if args.kv_host_cache_bytes and not args.enable_prefix_caching:
+        raise InvalidRequest("--kv-host-cache-bytes needs prefix caching (the host tier holds "
+                             "cached prefixes by hash)", param="kv_host_cache_bytes")
+    if args.guided_decoding_backend not in ("xgrammar", "none"):
+        raise InvalidRequest("guided_decoding_backend must be xgrammar or none for this engine, "
+                             f"got '{args.guided_decoding_backend}'",
+                             param="guided_decoding_backend")
+
+
+def num_host_blocks(args: EngineArgs, layout: KvLayout) -> int:
+    """Host-tier slots --kv-host-cache-bytes holds (0: no host tier)."""
+    if not args.kv_host_cache_bytes:
+        return 0
+    slots = args.kv_host_cache_bytes // layout.block_bytes
+    if slots < 1:
+        raise InvalidRequest(f"--kv-host-cache-bytes {args.kv_host_cache_bytes} holds no block of "
+                             f"{layout.block_bytes} bytes", param="kv_host_cache_bytes")
+    return slots

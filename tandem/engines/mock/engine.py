@@ -1,8 +1,9 @@
 """The mock engine: Dynamo-mocker-compatible simulation of a paged-KV engine, no weights.
 
 It reads only the model's config.json (and tokenizer.json's special tokens), schedules like
-vLLM v1 over a real BlockPool (prefix caching, eviction, preemption, KV events), sleeps for the
-time Dynamo's polynomial perf model gives each step, and emits deterministic tokens. A guided
+vLLM v1 over a real BlockPool (prefix caching, eviction, preemption, KV events, the host tier),
+sleeps for the time Dynamo's polynomial perf model gives each step (plus the step's host-tier
+copies at --mock-kv-host-gbps), and emits deterministic tokens. A guided
 request's tokens are drawn among those its grammar allows (tandem.engines.mock.guided), so its
 output satisfies its constraint.
 """
@@ -13,12 +14,14 @@ import time
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
+from tandem.engines.batching.host_copies import CopyTiming
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.mock import timing
 from tandem.engines.mock.guided import GuidedDraws
 from tandem.engines.mock.sampler import TokenSampler, special_token_ids, stream_key
 from tandem.engines.types import EngineRequest, KvLayout
 from tandem.errors import InvalidRequest
+from tandem.kv.host_tier import BlockCopies
 from tandem.kv.transfer import KvTransfer, SimulatedTransfer
 from tandem.model.config import ModelConfig
 
@@ -51,11 +54,19 @@ class MockEngine(BatchingEngine):
                                  param="prompt_logprobs")
 
     def _create_transfer(self) -> KvTransfer:
-        layout = self.layout
-        element = 4 if layout.dtype == "float32" else 2
-        block_bytes = (2 * layout.num_layers * layout.block_size * layout.num_kv_heads
-                       * layout.head_size * element)
-        return SimulatedTransfer(block_bytes, self.args.mock_kv_transfer_gbps)
+        return SimulatedTransfer(self.layout.block_bytes, self.args.mock_kv_transfer_gbps)
+
+    async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
+        """No bytes: the copies take bytes / --mock-kv-host-gbps (offloads, then onboards, on
+        one link), before the step's compute. Like --mock-kv-transfer-gbps, not scaled by the
+        speedup ratio."""
+        gbps = self.args.mock_kv_host_gbps
+        per_block = self.layout.block_bytes / (gbps * 1e9) if gbps > 0 else 0.0
+        offload_s = len(copies.offloads) * per_block
+        onboard_s = len(copies.onboards) * per_block
+        await asyncio.sleep(offload_s + onboard_s)
+        return [("offload", len(copies.offloads), offload_s),
+                ("onboard", len(copies.onboards), onboard_s)]
 
     def _draw_guided(self, plan: StepPlan) -> dict[int, int]:
         if self._grammars is None:  # no guided request came yet
@@ -98,5 +109,8 @@ def create_mock_engine(args: EngineArgs) -> MockEngine:
     if args.speedup_ratio < 0:
         raise InvalidRequest(f"speedup_ratio must be >= 0, got {args.speedup_ratio}",
                              param="speedup_ratio")
+    if args.mock_kv_host_gbps < 0:
+        raise InvalidRequest(f"mock_kv_host_gbps must be >= 0, got {args.mock_kv_host_gbps}",
+                             param="mock_kv_host_gbps")
     model = ModelConfig.from_dir(args.model)
     return MockEngine(args, model, special_token_ids(args.model))

@@ -23,6 +23,7 @@ import torch
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
+from tandem.engines.batching.host_copies import CopyTiming
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference.batch import allocate_kv_cache
@@ -33,12 +34,14 @@ from tandem.engines.reference.encode_engine import (
     create_image_encoder,
 )
 from tandem.engines.reference.encoder import ImageEncoder
+from tandem.engines.reference.host_kv import HostKvStore
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
+from tandem.kv.host_tier import BlockCopies
 from tandem.kv.transfer import KvTransfer
 from tandem.model.config import ModelConfig
 
@@ -74,6 +77,17 @@ class ReferenceEngine(BatchingEngine):
         self.graphs = (None if device.type != "cuda" or args.enforce_eager else
                        DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
                                     -(-max_model_len // block_size)))
+        #: The host KV tier's memory (--kv-host-cache-bytes), None without one.
+        host = self.pool.host
+        self.host_kv = HostKvStore(kv_cache, host.total) if host is not None else None
+        if host is not None and self.host_kv is not None:
+            log.info("host KV tier ready", extra={"kv_host_blocks": host.total,
+                                                  "kv_host_bytes": self.host_kv.nbytes,
+                                                  "pinned": self.host_kv.is_cuda})
+
+    async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
+        assert self.host_kv is not None
+        return await asyncio.to_thread(self.host_kv.copy, copies.offloads, copies.onboards, sync)
 
     def _create_transfer(self) -> KvTransfer:
         # Imported here: aggregated workers never load NIXL.
@@ -109,6 +123,8 @@ class ReferenceEngine(BatchingEngine):
         return await asyncio.to_thread(self.encoder.embed, list(images))
 
     def stats(self) -> EngineStats:
+        if self.host_kv is not None:  # CUDA copies report their time once they completed
+            self.host_copies.record(self.host_kv.finished())
         stats = super().stats()
         encoder = self.encoder
         if encoder is None:

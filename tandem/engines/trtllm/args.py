@@ -49,6 +49,10 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
     }
     if args.num_gpu_blocks:
         kv["max_tokens"] = args.num_gpu_blocks * args.kv_block_size
+    if args.kv_host_cache_bytes:
+        # TensorRT-LLM's own host tier (a secondary block pool; onboard_blocks, True by
+        # default, brings hits back to the GPU): the same bytes, the same meaning.
+        kv["host_cache_size"] = args.kv_host_cache_bytes
     out: LlmKwargs = {
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,

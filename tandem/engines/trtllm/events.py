@@ -11,7 +11,15 @@ Input: the dicts `LLM.get_kv_cache_events_async` yields, shaped by KVCacheEventS
 - a stored block with fewer than block-size tokens is partial: it and the rest of its event
   are dropped, and so is its later removal.
 - hashes are unsigned 64-bit (size_t upstream; some bindings hand them over signed).
-- `updated` events (priority/cache level) carry nothing the router uses.
+- tiers: with `kv_cache_config.host_cache_size` TensorRT-LLM keeps a secondary (host) block
+  pool. A stored block's `cache_level` says where it lives (0 primary = device, 1 secondary =
+  host); moving a block between levels is an `updated` event with `cache_level` {old_value,
+  new_value}: the WindowBlockManager's offloadBlock (0 -> 1, a primary block evicted into a
+  free secondary one) and onboardBlock (1 -> 0, a prefix hit on a secondary block)
+  (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp); a later `removed` drops the block from
+  whichever level holds it. Tandem's events name tiers instead: a level change becomes a
+  removal from the old tier and a store into the new one. `updated` events that change only
+  the priority carry nothing the router uses.
 
 Unlike Dynamo (which sends token ids and lets its router hash them), Tandem's router matches
 the block hashes of tandem.kv.hashing: each stored block is re-hashed with Tandem's chained
@@ -21,9 +29,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from tandem.engines.types import BlockRemoved, BlockStored, KvEvent
+from tandem.engines.types import BlockRemoved, BlockStored, KvEvent, KvTier
 from tandem.kv.hashing import hash_block
 
 log = logging.getLogger(__name__)
@@ -35,19 +44,36 @@ def as_u64(value: int) -> int:
     return int(value) & U64
 
 
+def tier_of(cache_level: Any) -> KvTier:
+    """TensorRT-LLM's cache level (kPrimaryLevel 0, kSecondaryLevel 1) as a Tandem tier."""
+    return KvTier.HOST if cache_level else KvTier.DEVICE
+
+
+@dataclass(slots=True)
+class _Known:
+    """A stored full block, as Tandem announced it."""
+
+    tandem_hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
+    mm_hashes: tuple[str, ...]
+    tier: KvTier
+
+
 class KvEventTranslator:
-    """Stateful: it remembers the global window and TensorRT-LLM hash -> Tandem hash."""
+    """Stateful: it remembers the global window and, per TensorRT-LLM hash, the Tandem block
+    it was announced as and the tier holding it."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.max_window: int | None = None
         self._initial_created = True
-        self._tandem_hash: dict[int, int] = {}
+        self._known: dict[int, _Known] = {}
 
     @property
     def num_blocks(self) -> int:
         """Full blocks currently known to be stored (for tests and debugging)."""
-        return len(self._tandem_hash)
+        return len(self._known)
 
     def translate(self, event: Mapping[str, Any]) -> list[KvEvent]:
         data = event["data"]
@@ -67,20 +93,25 @@ class KvEventTranslator:
             return self._stored(data)
         if kind == "removed":
             return self._removed(data)
+        if kind == "updated":
+            return self._updated(data)
         return []
 
     def _stored(self, data: Mapping[str, Any]) -> list[KvEvent]:
         engine_parent = data.get("parent_hash")
         parent: int | None = None
         if engine_parent is not None:
-            parent = self._tandem_hash.get(as_u64(engine_parent))
-            if parent is None:  # e.g. events missed before this worker subscribed
+            known = self._known.get(as_u64(engine_parent))
+            if known is None:  # e.g. events missed before this worker subscribed
                 log.debug("stored KV event whose parent block is unknown; dropped")
                 return []
+            parent = known.tandem_hash
+        out: list[KvEvent] = []
         first_parent = parent
         hashes: list[int] = []
         tokens: list[int] = []
         mm_hashes: list[str] = []
+        run_tier: KvTier | None = None
         for block in data["blocks"]:
             block_tokens = [int(t["token_id"]) for t in block["tokens"]]
             if len(block_tokens) > self.block_size:
@@ -91,20 +122,41 @@ class KvEventTranslator:
                 break  # partial: the router indexes full blocks only
             block_mm = [str(k["hash"]) for k in block.get("mm_keys", ())
                         if k.get("type") == "mm_key" and k.get("hash")]
+            tier = tier_of(block.get("cache_level", 0))
+            if run_tier is not None and tier != run_tier:  # one event per tier
+                out.append(BlockStored(tuple(hashes), first_parent, tuple(tokens),
+                                       self.block_size, tuple(mm_hashes), run_tier))
+                first_parent, hashes, tokens, mm_hashes = parent, [], [], []
+            run_tier = tier
+            block_parent = parent
             parent = hash_block(parent, block_tokens, block_mm)
-            self._tandem_hash[as_u64(block["block_hash"])] = parent
+            self._known[as_u64(block["block_hash"])] = _Known(
+                parent, block_parent, tuple(block_tokens), tuple(block_mm), tier)
             hashes.append(parent)
             tokens.extend(block_tokens)
             mm_hashes.extend(h for h in block_mm if h not in mm_hashes)
-        if not hashes:
-            return []
-        return [BlockStored(tuple(hashes), first_parent, tuple(tokens), self.block_size,
-                            tuple(mm_hashes))]
+        if hashes and run_tier is not None:
+            out.append(BlockStored(tuple(hashes), first_parent, tuple(tokens), self.block_size,
+                                   tuple(mm_hashes), run_tier))
+        return out
 
     def _removed(self, data: Mapping[str, Any]) -> list[KvEvent]:
-        removed = []
+        removed: dict[KvTier, list[int]] = {}
         for engine_hash in data["block_hashes"]:
-            tandem = self._tandem_hash.pop(as_u64(engine_hash), None)
-            if tandem is not None:  # unknown: a partial block (never announced) or missed
-                removed.append(tandem)
-        return [BlockRemoved(tuple(removed))] if removed else []
+            known = self._known.pop(as_u64(engine_hash), None)
+            if known is not None:  # unknown: a partial block (never announced) or missed
+                removed.setdefault(known.tier, []).append(known.tandem_hash)
+        return [BlockRemoved(tuple(hashes), tier) for tier, hashes in removed.items()]
+
+    def _updated(self, data: Mapping[str, Any]) -> list[KvEvent]:
+        diff = data.get("cache_level")
+        known = self._known.get(as_u64(data.get("block_hash", 0)))
+        if not isinstance(diff, Mapping) or known is None:
+            return []  # a priority update, or a block never announced
+        tier = tier_of(diff.get("new_value"))
+        if tier == known.tier:
+            return []
+        old, known.tier = known.tier, tier
+        return [BlockRemoved((known.tandem_hash,), old),
+                BlockStored((known.tandem_hash,), known.parent, known.tokens, self.block_size,
+                            known.mm_hashes, tier)]

@@ -11,6 +11,11 @@ dicts that reach `get_kv_cache_events_async` have exactly upstream's shape:
                     {"type": "unique_token", "token_id": int, "token_extra_id": int}, ...],
                  "cache_level": int, "priority": int}, ...]}
          | {"type": "removed", "block_hashes": [int, ...]}
+         | {"type": "updated", "block_hash": int,
+            "cache_level": {"type": "event_diff", "new_value": int, "old_value": int} | None,
+            "priority": {"type": "event_diff", ...} | None}
+(`updated`: `_updated_to_json` / `_event_diff_to_json`; a diff the update does not change is
+None in the C++ binding, kept as None here.)
 """
 from __future__ import annotations
 
@@ -49,6 +54,19 @@ class KVCacheRemovedData:
 
 
 @dataclass
+class KVCacheEventDiff:
+    old_value: int
+    new_value: int
+
+
+@dataclass
+class KVCacheUpdatedData:
+    block_hash: int
+    cache_level: KVCacheEventDiff | None = None
+    priority: KVCacheEventDiff | None = None
+
+
+@dataclass
 class KVCacheEvent:
     event_id: int
     data: Any
@@ -65,6 +83,7 @@ class KVCacheEventSerializer:
             "KVCacheStoredData": cls._stored_to_json,
             "KVCacheStoredBlockData": cls._stored_block_to_json,
             "KVCacheRemovedData": cls._removed_to_json,
+            "KVCacheUpdatedData": cls._updated_to_json,
         }.get(event_type, None)
 
     @classmethod
@@ -100,3 +119,15 @@ class KVCacheEventSerializer:
     @staticmethod
     def _removed_to_json(data: KVCacheRemovedData) -> dict[str, Any]:
         return {"type": "removed", "block_hashes": data.block_hashes}
+
+    @staticmethod
+    def _updated_to_json(data: KVCacheUpdatedData) -> dict[str, Any]:
+        return {"type": "updated", "block_hash": data.block_hash,
+                "cache_level": KVCacheEventSerializer._event_diff_to_json(data.cache_level),
+                "priority": KVCacheEventSerializer._event_diff_to_json(data.priority)}
+
+    @staticmethod
+    def _event_diff_to_json(data: KVCacheEventDiff | None) -> dict[str, Any] | None:
+        if data is None:
+            return None
+        return {"type": "event_diff", "new_value": data.new_value, "old_value": data.old_value}

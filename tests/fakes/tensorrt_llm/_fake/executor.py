@@ -32,9 +32,12 @@ class FakeExecutor:
             maxlen=kv.event_buffer_max_size or 1)
         self.kv_events: IterationResult | None = None
         self.stats: IterationResult | None = None
+        # A secondary (host) pool only with onboarding on (upstream's mOnboardBlocks).
+        num_secondary = (kv.host_cache_size // knobs.block_bytes
+                         if kv.host_cache_size and kv.onboard_blocks else 0)
         self.blocks = BlockManager(kv.max_tokens // tpb if kv.max_tokens else knobs.num_blocks,
                                    tpb, kv.enable_block_reuse, kv.enable_partial_reuse,
-                                   self._emit)
+                                   self._emit, num_secondary)
         ctc = args.cache_transceiver_config
         self.sender = Sender(ctc.kv_transfer_timeout_ms, self._sent) if ctc else None
         self.requests: dict[int, FakeRequest] = {}

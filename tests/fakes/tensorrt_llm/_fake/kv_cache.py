@@ -14,6 +14,14 @@ KVCacheEventSerializer and handled by Dynamo's publisher
   through the parent's hash; content that is already stored is not announced twice.
 Events are only produced with block reuse on (llm.py: "To enable KV events: set
 event_buffer_max_size ... set enable_block_reuse to True").
+
+With a secondary (host) pool (kv_cache_config.host_cache_size, onboard_blocks on) it follows
+WindowBlockManager in cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp (NVIDIA/TensorRT-LLM
+@ b35ac1b6): `created` reports [primary, secondary] blocks per cache level; a primary block
+evicted for reuse is offloaded into a secondary block (the LRU one when none is free, whose
+block is then removed) and reported as `updated` with cache_level 0 -> 1 (getFreeBlock /
+offloadBlock); a reuse match on a secondary block onboards it into a free primary block,
+`updated` 1 -> 0 (onboardBlock). Secondary blocks are never referenced by a sequence.
 """
 from __future__ import annotations
 
@@ -24,11 +32,15 @@ from typing import Any
 
 from tensorrt_llm._utils import (
     KVCacheCreatedData,
+    KVCacheEventDiff,
     KVCacheRemovedData,
     KVCacheStoredBlockData,
     KVCacheStoredData,
+    KVCacheUpdatedData,
     UniqueToken,
 )
+
+PRIMARY, SECONDARY = 0, 1
 
 
 class NoFreeBlocks(RuntimeError):
@@ -43,18 +55,20 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "tokens", "hash", "ref")
+    __slots__ = ("block_id", "tokens", "hash", "ref", "level")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.tokens: list[int] = []
         self.hash: int | None = None
         self.ref = 0
+        self.level = PRIMARY
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_reuse: bool,
-                 enable_partial_reuse: bool, emit: Callable[[Any], None]) -> None:
+                 enable_partial_reuse: bool, emit: Callable[[Any], None],
+                 num_secondary: int = 0) -> None:
         self.total = num_blocks
         self.tokens_per_block = tokens_per_block
         self.enable_reuse = enable_reuse
@@ -63,9 +77,17 @@ class BlockManager:
         self._free = collections.deque(Block(i) for i in range(num_blocks))
         self._evictable: collections.OrderedDict[int, Block] = collections.OrderedDict()
         self._stored: dict[int, Block] = {}
+        self.num_secondary = num_secondary if enable_reuse else 0
+        #: Offloaded blocks by hash, least recently offloaded first.
+        self._secondary: collections.OrderedDict[int, Block] = collections.OrderedDict()
         self.alloc_total = self.alloc_new = self.reused = self.missed = 0
+        self.offloaded = self.onboarded = 0
         if enable_reuse:
-            emit(KVCacheCreatedData([num_blocks, 0]))
+            emit(KVCacheCreatedData([num_blocks, self.num_secondary]))
+
+    @property
+    def secondary_hashes(self) -> set[int]:
+        return set(self._secondary)
 
     @property
     def num_used(self) -> int:
@@ -86,7 +108,12 @@ class BlockManager:
             block = self._stored.get(h)
             if block is None or len(block.tokens) < tpb:
                 break
-            if block.ref == 0:
+            if block.level == SECONDARY:
+                try:
+                    self._onboard(block)
+                except NoFreeBlocks:
+                    break
+            elif block.ref == 0:
                 self._evictable.pop(h)
             block.ref += 1
             blocks.append(block)
@@ -151,14 +178,44 @@ class BlockManager:
                 self._reset(block)
                 self._free.append(block)
 
+    def _onboard(self, block: Block) -> None:
+        assert block.hash is not None
+        del self._secondary[block.hash]
+        try:
+            primary = self._take()
+        except NoFreeBlocks:
+            self._secondary[block.hash] = block
+            raise
+        block.block_id, block.level = primary.block_id, PRIMARY
+        self.onboarded += 1
+        self._emit(KVCacheUpdatedData(block.hash, KVCacheEventDiff(SECONDARY, PRIMARY)))
+
+    def _offload(self, block: Block) -> Block:
+        """Moves an evictable primary `block` to the secondary pool; returns its primary
+        memory as an empty block."""
+        assert block.hash is not None
+        if len(self._secondary) >= self.num_secondary:
+            old_hash, _old = self._secondary.popitem(last=False)
+            del self._stored[old_hash]
+            self._emit(KVCacheRemovedData([old_hash]))
+        primary = Block(block.block_id)
+        block.level = SECONDARY
+        self._secondary[block.hash] = block
+        self.offloaded += 1
+        self._emit(KVCacheUpdatedData(block.hash, KVCacheEventDiff(PRIMARY, SECONDARY)))
+        return primary
+
     def _take(self) -> Block:
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
             h, block = self._evictable.popitem(last=False)
-            del self._stored[h]
-            self._emit(KVCacheRemovedData([h]))
-            self._reset(block)
+            if self.num_secondary:
+                block = self._offload(block)
+            else:
+                del self._stored[h]
+                self._emit(KVCacheRemovedData([h]))
+                self._reset(block)
         else:
             raise NoFreeBlocks(f"no free KV blocks (pool of {self.total})")
         block.ref = 1

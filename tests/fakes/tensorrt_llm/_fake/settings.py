@@ -14,6 +14,9 @@ class Knobs:
     step_s: float = float(os.environ.get("FAKE_TRTLLM_STEP_S", "0"))
     #: KV pool size when kv_cache_config.max_tokens is unset (upstream sizes it from GPU memory).
     num_blocks: int = int(os.environ.get("FAKE_TRTLLM_NUM_BLOCKS", "512"))
+    #: Bytes of one KV block, which turn kv_cache_config.host_cache_size into secondary blocks
+    #: (upstream derives them from the model's KV layout).
+    block_bytes: int = int(os.environ.get("FAKE_TRTLLM_BLOCK_BYTES", "65536"))
 
 
 knobs = Knobs()
