@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -175,72 +176,73 @@ def prefill_flops(shape: dict, params: int, batch: int, length: int) -> float:
     return batch * (2 * dense * length + attention + 2 * vocab * hidden)
 
 
-async def engine_figures(device: str, root: pathlib.Path, shape: dict, small: bool
-                         ) -> tuple[list[str], dict]:
+def sizes(small: bool) -> dict:
+    """The workload of each measurement (small: a CPU smoke run)."""
+    return dict(batches=[1, 2, 4] if small else [1, 8, 32, 64, 128],
+                ctx_prompt=96 if small else 992, new=8 if small else 32,
+                isl=64 if small else 1000, osl=32 if small else 1000, conc=8 if small else 128,
+                plen=256 if small else 2048, pnum=2 if small else 8)
+
+
+async def engine_figures(device: str, root: pathlib.Path, shape: dict, small: bool,
+                         eager: bool) -> dict:
+    """Batch-1 ITL; with CUDA graphs also the decode table, the prefill batch and the
+    throughput run."""
     model_dir = write_config(root / "llama8b", shape)
     vocab = shape["vocab_size"]
-    batches = (1, 2, 4) if small else (1, 8, 32, 64, 128)
-    ctx, new = (96, 8) if small else (992, 32)
-    isl, osl, conc = (64, 32, 8) if small else (1000, 1000, 128)
-    plen, pnum = (256, 2) if small else (2048, 8)
-    blocks = max(conc * (isl + osl), max(batches) * (ctx + new)) // BLOCK + 256
-    figures: dict = {}
-    rows = []
-    for eager in (False, True):
-        engine = create_reference_engine(EngineArgs(
-            model=str(model_dir), device=device, dtype="bfloat16", load_format="dummy",
-            num_gpu_blocks=blocks, kv_block_size=BLOCK, max_batch_size=max(batches),
-            max_num_tokens=max(8192, pnum * plen), enforce_eager=eager,
-            enable_prefix_caching=False))
-        mode = "eager" if eager or device == "cpu" else "CUDA graphs"
-        figures["weights"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        figures["params"] = sum(p.numel() for p in engine.model.parameters())
-        await engine.start()
-        await generate(engine, prompts_of(1, 128, vocab), 8)  # warm-up
-        (_, times), = await generate(engine, prompts_of(1, 128, vocab, 1), 64)
-        rows.append(f"| engine ({mode}): decode ITL p50, batch 1, context ~160 | "
-                    f"{itl_ms(times[2:]):.2f} ms |")
-        figures["b1_short_eager" if eager else "b1_short"] = itl_ms(times[2:])
-        print(rows[-1], flush=True)
-        if eager:
-            await engine.close()
-            del engine
-            break
-        figures["replay"] = replay_ms(engine)
-        print(f"graph replay alone, batch 1: {figures['replay']:.2f} ms", flush=True)
-        for batch in batches:
-            await generate(engine, prompts_of(batch, ctx, vocab, 2), 4)  # capture this shape
-            results = await generate(engine, prompts_of(batch, ctx, vocab, 3), new)
-            step = statistics.median(itl_ms(t[2:]) for _, t in results)
-            figures[f"step_{batch}"] = step
-            print(f"batch {batch}: {step:.2f} ms/step", flush=True)
-        for reps in range(2):  # one warm-up, then timed: all prompts in one step
-            sync()
-            start = time.perf_counter()
-            await generate(engine, prompts_of(pnum, plen, vocab, 10 + reps), 1)
-            sync()
-            figures["prefill_s"] = time.perf_counter() - start
-        print(f"prefill: {figures['prefill_s']:.3f} s", flush=True)
-        await generate(engine, prompts_of(conc, 16, vocab, 20), 4)
-        start = time.perf_counter()
-        results = await generate(engine, prompts_of(conc, isl, vocab, 21), osl)
-        figures["engine_tps"] = sum(len(t) for t, _ in results) / (time.perf_counter() - start)
-        print(f"throughput: {figures['engine_tps']:.0f} tokens/s", flush=True)
+    z = sizes(small)
+    batches, ctx, new = z["batches"], z["ctx_prompt"], z["new"]
+    isl, osl, conc, plen, pnum = z["isl"], z["osl"], z["conc"], z["plen"], z["pnum"]
+    blocks = (256 if eager else
+              max(conc * (isl + osl), max(batches) * (ctx + new)) // BLOCK + 256)
+    engine = create_reference_engine(EngineArgs(
+        model=str(model_dir), device=device, dtype="bfloat16", load_format="dummy",
+        num_gpu_blocks=blocks, kv_block_size=BLOCK, max_batch_size=max(batches),
+        max_num_tokens=max(8192, pnum * plen), enforce_eager=eager,
+        enable_prefix_caching=False))
+    mode = "eager" if eager or device == "cpu" else "CUDA graphs"
+    figures: dict = {
+        "weights": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+        "params": sum(p.numel() for p in engine.model.parameters()),
+        "ctx": ctx + new // 2, **z}
+    await engine.start()
+    await generate(engine, prompts_of(1, 128, vocab), 8)  # warm-up
+    (_, times), = await generate(engine, prompts_of(1, 128, vocab, 1), 64)
+    figures["row"] = (f"| engine ({mode}): decode ITL p50, batch 1, context ~160 | "
+                      f"{itl_ms(times[2:]):.2f} ms |")
+    figures["b1_short"] = itl_ms(times[2:])
+    print(figures["row"], flush=True)
+    if eager:
         await engine.close()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache() if device == "cuda" else None
-    gc.collect()
-    torch.cuda.empty_cache() if device == "cuda" else None
-    figures.update(batches=batches, ctx=ctx + new // 2, plen=plen, pnum=pnum, isl=isl, osl=osl,
-                   conc=conc)
-    return rows, figures
+        return figures
+    figures["replay"] = replay_ms(engine)
+    print(f"graph replay alone, batch 1: {figures['replay']:.2f} ms", flush=True)
+    for batch in batches:
+        await generate(engine, prompts_of(batch, ctx, vocab, 2), 4)  # capture this shape
+        results = await generate(engine, prompts_of(batch, ctx, vocab, 3), new)
+        step = statistics.median(itl_ms(t[2:]) for _, t in results)
+        figures[f"step_{batch}"] = step
+        print(f"batch {batch}: {step:.2f} ms/step", flush=True)
+    for reps in range(2):  # one warm-up, then timed: all prompts in one step
+        sync()
+        start = time.perf_counter()
+        await generate(engine, prompts_of(pnum, plen, vocab, 10 + reps), 1)
+        sync()
+        figures["prefill_s"] = time.perf_counter() - start
+    print(f"prefill: {figures['prefill_s']:.3f} s", flush=True)
+    await generate(engine, prompts_of(conc, 16, vocab, 20), 4)
+    start = time.perf_counter()
+    results = await generate(engine, prompts_of(conc, isl, vocab, 21), osl)
+    figures["engine_tps"] = sum(len(t) for t, _ in results) / (time.perf_counter() - start)
+    print(f"throughput: {figures['engine_tps']:.0f} tokens/s", flush=True)
+    await engine.close()
+    return figures
 
 
-def hf_figures(device: str, root: pathlib.Path, fig: dict) -> dict:
+def hf_figures(device: str, root: pathlib.Path, shape: dict, fig: dict) -> dict:
     """transformers (SDPA, dynamic cache) on the same shape: batch-1 ms/token, the prefill
     batch's time, generate's output tokens/s at the throughput batch."""
-    config = transformers.AutoConfig.from_pretrained(root / "llama8b")
+    config = transformers.AutoConfig.from_pretrained(write_config(root / "llama8b", shape))
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
@@ -280,19 +282,44 @@ def hf_figures(device: str, root: pathlib.Path, fig: dict) -> dict:
     return out
 
 
+PHASES = ("equivalence", "graphs", "eager", "transformers")
+
+
+async def run_phase(phase: str, device: str, root: pathlib.Path, shape: dict,
+                    small: bool) -> dict:
+    if phase == "equivalence":
+        return {"rows": await check_equivalence(device, root)}
+    if phase in ("graphs", "eager"):
+        return await engine_figures(device, root, shape, small, eager=phase == "eager")
+    return hf_figures(device, root, shape, sizes(small))
+
+
+def phase_in_subprocess(phase: str, small: bool) -> dict:
+    """Runs one phase in its own process, so that each starts with the whole GPU free."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "figures.json"
+        argv = [sys.executable, __file__, "--phase", phase, "--out", str(out)]
+        subprocess.run(argv + (["--small"] if small else []), check=True)
+        return json.loads(out.read_text())
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="CPU smoke run with a small shape")
+    parser.add_argument("--phase", choices=PHASES, help="run one phase (internal)")
+    parser.add_argument("--out", help="with --phase: where its figures go (JSON)")
     args = parser.parse_args()
     device = "cpu" if args.small else "cuda"
     shape = SMALL if args.small else LLAMA_8B
-    rows = [f"| device | {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} |"]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = pathlib.Path(tmp)
-        rows += await check_equivalence(device, root)
-        engine_rows, fig = await engine_figures(device, root, shape, args.small)
-        rows += engine_rows
-        hf = hf_figures(device, root, fig)
+    if args.phase:
+        with tempfile.TemporaryDirectory() as tmp:
+            figures = await run_phase(args.phase, device, pathlib.Path(tmp), shape, args.small)
+        pathlib.Path(args.out).write_text(json.dumps(figures))
+        return
+    phases = {phase: phase_in_subprocess(phase, args.small) for phase in PHASES}
+    fig, hf = phases["graphs"], phases["transformers"]
+    rows = [f"| device | {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} |",
+            *phases["equivalence"]["rows"], fig["row"], phases["eager"]["row"]]
     bw = copy_bandwidth() if device == "cuda" else float("nan")
     peak = matmul_rate() if device == "cuda" else float("nan")
     weights = fig["weights"]
