@@ -73,27 +73,31 @@ class HostKvStore:
         compute = torch.cuda.current_stream(self.device)
         kv, host = self.kv_cache, self.host
         # The blocks to offload were last written by earlier forward passes.
+        # Index tensors go over before the timed region and without a host sync: a pageable
+        # copy inside it would leave the stream idle while the host builds the next one.
+        offload_blocks = self._indices([b for b, _ in offloads])
+        onboard_blocks = self._indices([b for _, b in onboards])
         stream.wait_stream(compute)
+        for indices in (offload_blocks, onboard_blocks):
+            indices.record_stream(stream)  # made on the compute stream, used on this one
         with torch.cuda.stream(stream):
             if offloads:
                 start, end = _event(), _event()
                 start.record(stream)
-                blocks = torch.tensor([b for b, _ in offloads], device=self.device)
-                staging = kv.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5).contiguous()
+                staging = kv.index_select(2, offload_blocks).permute(2, 0, 1, 3, 4, 5).contiguous()
                 for i, (_, slot) in enumerate(offloads):
                     host[slot].copy_(staging[i], non_blocking=True)
                 end.record(stream)
                 with self._lock:
                     self._in_flight.append(("offload", len(offloads), start, end))
             if onboards:
-                start, end = _event(), _event()
-                start.record(stream)
                 staging = torch.empty((len(onboards), *host.shape[1:]), dtype=host.dtype,
                                       device=self.device)
+                start, end = _event(), _event()
+                start.record(stream)
                 for i, (slot, _) in enumerate(onboards):
                     staging[i].copy_(host[slot], non_blocking=True)
-                blocks = torch.tensor([b for _, b in onboards], device=self.device)
-                kv.index_copy_(2, blocks, staging.permute(1, 2, 0, 3, 4, 5))
+                kv.index_copy_(2, onboard_blocks, staging.permute(1, 2, 0, 3, 4, 5))
                 end.record(stream)
                 with self._lock:
                     self._in_flight.append(("onboard", len(onboards), start, end))
@@ -102,6 +106,11 @@ class HostKvStore:
         compute.wait_stream(stream)
         if sync:
             stream.synchronize()
+
+    def _indices(self, values: list[int]) -> torch.Tensor:
+        """`values` on the device through pinned memory (no host sync)."""
+        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device,
+                                                                      non_blocking=True)
 
     def finished(self) -> list[CopyTiming]:
         """Timings of CUDA copies that have completed since the last call (never blocks)."""
