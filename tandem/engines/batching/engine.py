@@ -128,12 +128,12 @@ class BatchingEngine(Engine):
             self._transfer = self._create_transfer()
         return self._transfer
 
+    @abstractmethod
     async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
         """Copies evicted device blocks to their host slots, then host slots into their new
         device blocks (in that order), before this step's forward pass touches them; with
         `sync`, finished before returning (a KV read is about to write device blocks). Returns
         the timings of copies known to have finished. Raises if a copy failed."""
-        raise NotImplementedError(f"the {self.name} engine has no host KV tier")
 
     @abstractmethod
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
