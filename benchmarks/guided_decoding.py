@@ -10,13 +10,17 @@ mask costs the same per token of vocabulary.
 Usage (from the repository root):
     .venv/bin/python benchmarks/guided_decoding.py
     .venv/bin/python benchmarks/guided_decoding.py --model DIR --device cuda --streams 1 16 64
+    PYTHONPATH=. python3 benchmarks/guided_decoding.py --shape 8b --device cuda   # lent GPU
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import pathlib
+import shutil
 import statistics
+import tempfile
 import time
 
 from tandem.engines.args import EngineArgs
@@ -69,9 +73,27 @@ def compile_times(model: str, vocab_size: int, eos: frozenset[int]) -> tuple[flo
     return cold, time.perf_counter() - start
 
 
+def dummy_8b(root: pathlib.Path) -> str:
+    """A Llama-3.1-8B-shaped model directory (dummy weights, vocab 128,256) with the demo
+    model's tokenizer: the grammar masks a real-sized vocabulary, the step costs a real step."""
+    from benchmarks.reference_gpu import LLAMA_8B, write_config
+    model = write_config(root / "llama8b", LLAMA_8B)
+    for path in ensure_demo_model().iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(path, model / path.name)
+    return str(model)
+
+
 async def main_async(args: argparse.Namespace) -> None:
-    model = args.model or str(ensure_demo_model())
-    engine = create_reference_engine(EngineArgs(model=model, device=args.device))
+    tmp = tempfile.TemporaryDirectory()
+    if args.shape == "8b":
+        model = dummy_8b(pathlib.Path(tmp.name))
+        engine_args = EngineArgs(model=model, device=args.device, dtype="bfloat16",
+                                 load_format="dummy", num_gpu_blocks=4096)
+    else:
+        model = args.model or str(ensure_demo_model())
+        engine_args = EngineArgs(model=model, device=args.device)
+    engine = create_reference_engine(engine_args)
     assert isinstance(engine, BatchingEngine)
     await engine.start()
     rows: dict[tuple[int, bool], list[dict]] = {}
@@ -87,6 +109,7 @@ async def main_async(args: argparse.Namespace) -> None:
         cold, cached = compile_times(model, engine.vocab_size, engine._eos_ids)
     finally:
         await engine.close()
+        tmp.cleanup()
     print(f"\nreference engine, {model}, device {args.device}, max_tokens {args.max_tokens}, "
           f"temperature 1; median of {args.repeats} alternating rounds\n")
     print("| streams | unconstrained tok/s | JSON schema tok/s | unconstrained ITL ms | "
@@ -107,6 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="model directory (default: the demo model)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=["model", "8b"], default="model",
+                        help="8b: a Llama-3.1-8B shape with dummy bf16 weights and the demo "
+                        "tokenizer (for --device cuda)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
