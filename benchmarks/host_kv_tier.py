@@ -40,21 +40,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from tests.e2e.topology import Topology
 
 BLOCK = 32
 #: Llama-3-8B's KV shape (what the mock's copy time is computed from).
@@ -86,21 +86,11 @@ def model_dir(workdir: pathlib.Path, shape: dict[str, object] = LLAMA3_8B) -> pa
     return out
 
 
-def start(model: pathlib.Path, extra: list[str]) -> tuple[subprocess.Popen[str], str, str]:
-    from tests.e2e.topology import free_ports  # gRPC's health stubs: only the mock mode needs them
-    http, grpc_port, router, decode = free_ports(4)
-    argv = [sys.executable, "-m", "tandem.cli", "up", "--engine", "mock", "--model", str(model),
-            "--http-port", str(http), "--grpc-port", str(grpc_port), "--router-port",
-            str(router), "--decode-ports", str(decode), "--kv-block-size", str(BLOCK),
-            "--max-seq-len", "16384", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{decode}"
-    raise RuntimeError(f"tandem up did not start (exit {proc.wait()})")
+def start(model: pathlib.Path, extra: list[str]) -> Topology:
+    """`tandem up` on the mock engine with `model`, ready (tests/e2e/topology.py)."""
+    from tests.e2e.topology import start_topology  # gRPC's health stubs: only the mock mode
+    return start_topology("--engine", "mock", "--model", str(model), "--kv-block-size",
+                          str(BLOCK), "--max-seq-len", "16384", "--log-level", "warning", *extra)
 
 
 @dataclass
@@ -201,13 +191,12 @@ def mock_main(args: argparse.Namespace) -> None:
                                  str(gbps)]
     runs = []
     for mode, extra in modes.items():
-        proc, address, decode = start(model, extra)
+        topo = start(model, extra)
         try:
-            turns, wall = asyncio.run(run_load(address, model.name, args))
-            runs.append(Run(mode, turns, wall, worker_counters(decode)))
+            turns, wall = asyncio.run(run_load(topo.grpc_address, model.name, args))
+            runs.append(Run(mode, turns, wall, worker_counters(topo.decode_addresses[0])))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            topo.stop()
     print(f"mock engine, speedup {args.speedup}, Llama-3-8B KV layout ({block_bytes >> 20} MiB "
           f"per {BLOCK}-token block); {args.users} users x {args.turns} turns x "
           f"({args.user_tokens} new + {args.output_tokens} output) tokens = {total_blocks} "

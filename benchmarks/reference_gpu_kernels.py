@@ -1,10 +1,11 @@
 """Per-kernel GPU times of a decode step's pieces for the 8B shape (a tool, not a test): each
 piece captured 20 times in a CUDA graph and replayed, so launch gaps stay out.
 
-    PYTHONPATH=. python3 benchmarks/reference_gpu_kernels.py
+    PYTHONPATH=. python3 benchmarks/reference_gpu_kernels.py [--gemv-sweep] [--attention]
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 from collections.abc import Callable
@@ -120,7 +121,17 @@ def attention_rows() -> list[str]:
 
 
 def main() -> None:
-    rows = gemv_rows(64) + skinny_rows(64) + gemv_rows(128) + skinny_rows(128) + gemv_rows(8) + skinny_rows(8)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="batch 1: cuBLAS vs the GEMV's tiles (how GEMV_CONFIG was chosen)")
+    parser.add_argument("--attention", action="store_true",
+                        help="decode attention per context split size (SPLIT_TOKENS)")
+    args = parser.parse_args()
+    rows = [row for batch in (8, 64, 128) for row in gemv_rows(batch) + skinny_rows(batch)]
+    if args.gemv_sweep:
+        rows += gemv_sweep()
+    if args.attention:
+        rows += attention_rows()
     print("| piece | time | bytes/s |\n|---|---:|---:|")
     print("\n".join(rows))
 

@@ -39,11 +39,14 @@ class VideoEngine(ABC):
 
     #: Registry name of the backend.
     name: str = ""
+    #: What `load` found the pipeline produces; None before it ran.
+    _spec: PipelineSpec | None = None
 
     @property
-    @abstractmethod
     def spec(self) -> PipelineSpec:
         """Frame-size multiple, frame-count rule, whether an input image is taken."""
+        assert self._spec is not None, "load() first"
+        return self._spec
 
     @abstractmethod
     def load(self) -> None:

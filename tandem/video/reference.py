@@ -9,7 +9,7 @@ from typing import Any
 from tandem.video import pipelines
 from tandem.video.config import VideoEngineArgs
 from tandem.video.engine import StepHook, VideoEngine
-from tandem.video.params import PipelineSpec, ResolvedParams
+from tandem.video.params import ResolvedParams
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,6 @@ class DiffusersVideoEngine(VideoEngine):
         self.device = torch_device(args.device)
         self.dtype = torch_dtype(args.dtype, self.device)
         self._pipe: Any = None
-        self._spec: PipelineSpec | None = None
-
-    @property
-    def spec(self) -> PipelineSpec:
-        assert self._spec is not None, "load() first"
-        return self._spec
 
     def load(self) -> None:
         import diffusers

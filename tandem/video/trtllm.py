@@ -27,7 +27,7 @@ from tandem.errors import InvalidRequest, Unavailable
 from tandem.video import pipelines
 from tandem.video.config import VideoEngineArgs
 from tandem.video.engine import StepHook, VideoEngine
-from tandem.video.params import PipelineSpec, ResolvedParams
+from tandem.video.params import ResolvedParams
 from tandem.video.reference import torch_device, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,6 @@ class VisualGenVideoEngine(VideoEngine):
         self.default_steps = default_steps
         self.device = torch_device(args.device)
         self._pipe: Any = None
-        self._spec: PipelineSpec | None = None
-
-    @property
-    def spec(self) -> PipelineSpec:
-        assert self._spec is not None, "load() first"
-        return self._spec
 
     def load(self) -> None:
         try:

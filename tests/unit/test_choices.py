@@ -96,7 +96,8 @@ async def test_closing_the_stream_cancels_every_choice() -> None:
     gen = generate_choices(fake.generate, choice_requests(request(1), 2))
     first = await anext(gen)
     assert first.index == 0
-    await asyncio.sleep(0.01)
+    while len(fake.started) < 2:  # choice 1 is under way
+        await asyncio.sleep(0)
     await gen.aclose()
     assert sorted(fake.closed) == ["abc", "abc-1"]
 

@@ -119,7 +119,8 @@ async def test_progress_counts_steps_and_drain_refuses_new_jobs(runner: VideoRun
     during = runner.progress()
     assert during.has_work and during.num_steps > before.num_steps
     drain = asyncio.ensure_future(runner.drain(timeout_s=5))
-    await asyncio.sleep(0.05)
+    while not runner.draining:
+        await asyncio.sleep(0)
     with pytest.raises(Unavailable):
         runner.submit(_request(1))
     engine.go.release(1)
