@@ -59,7 +59,8 @@ def _registration(stage: Stage) -> Callable[[Worker], None]:
     def register(worker: Worker) -> None:
         stage.register(worker)
         worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(worker.config.identity, worker.engine), worker.service.server)
+            WorkerServicer(worker.config.identity, worker.engine,
+                           worker.config.debug_hooks), worker.service.server)
         if worker.config.publish_kv_events:
             kv_events_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(
                 worker.config.identity, worker.engine, worker.event_log,

@@ -1,19 +1,22 @@
-"""Worker servicer: the engine's stats snapshot, protobuf out."""
+"""Worker servicer: the engine's stats snapshot, protobuf out; the PauseWhen test hook."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 
 import grpc
 
 from tandem.engines.base import Engine
+from tandem.errors import FailedPrecondition, InvalidRequest
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, engine: Engine) -> None:
+    def __init__(self, worker_id: str, engine: Engine, debug_hooks: bool = False) -> None:
         self.worker_id = worker_id
         self.engine = engine
+        self.debug_hooks = debug_hooks
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -24,3 +27,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             worker_id=self.worker_id, **fields,
             checksums=[pb.KvChecksum(direction=d, request_id=r, checksum=c)
                        for (d, r), c in list(self.engine.debug_checksums().items())[::-1]])
+
+    async def PauseWhen(self, request: pb.PauseWhenRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PauseWhenUpdate]:
+        if not self.debug_hooks:
+            raise FailedPrecondition("PauseWhen is a fault-test hook: start the worker with "
+                                     "--debug-hooks")
+        if request.min_output_tokens < 1:
+            raise InvalidRequest("min_output_tokens must be at least 1",
+                                 param="min_output_tokens")
+        paused = self.engine.pause_when(request.min_output_tokens)
+        yield pb.PauseWhenUpdate(state=pb.PauseWhenUpdate.ARMED)
+        point = await paused
+        yield pb.PauseWhenUpdate(state=pb.PauseWhenUpdate.PAUSED, num_running=point.num_running,
+                                 min_output_tokens=point.min_output_tokens)

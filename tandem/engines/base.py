@@ -5,6 +5,7 @@ the one asyncio event loop of the worker process.
 """
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,15 @@ class Progress:
     has_work: bool
     #: Steps started since the engine started; it grows while the engine makes progress.
     num_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class PausePoint:
+    """Where a `pause_when` pause stopped the batch."""
+
+    num_running: int
+    #: The fewest output tokens among the running requests.
+    min_output_tokens: int
 
 
 class Engine(ABC):
@@ -168,6 +178,20 @@ class Engine(ABC):
 
     def resume_steps(self) -> None:
         """Test hook: undoes `pause_steps`."""
+        raise Unimplemented(f"engine '{self.name}' cannot pause its step loop")
+
+    def pause_when(self, min_output_tokens: int) -> asyncio.Future[PausePoint]:
+        """Test hook (--debug-hooks): arms a pause that the step loop takes itself, at the end
+        of the first step after which nothing waits for admission and every running request
+        has produced at least `min_output_tokens` tokens (a fault test's "mid-answer", chosen
+        by the engine instead of by a poll racing it). `resume_steps` undoes it. A second call
+        replaces the condition; the first call's future is cancelled.
+
+        Returns:
+            A future set when the loop has paused.
+        Raises:
+            Unimplemented: the backend has no step loop of its own.
+        """
         raise Unimplemented(f"engine '{self.name}' cannot pause its step loop")
 
     @abstractmethod

@@ -4,8 +4,6 @@ with the text of an uninterrupted run (the frontend migrates them); kill -9 the 
 during a burst, and every request completes (another prefill worker or aggregated)."""
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.synchronize
 import os
 import pathlib
 import signal
@@ -29,6 +27,8 @@ NUM_STREAMS = 40
 MAX_TOKENS = 150
 #: Tokens every stream has received before the kill.
 TOKENS_BEFORE_KILL = 4
+#: Tokens each of the victim's streams has produced when its engine pauses before the kill.
+PAUSE_AT_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +91,6 @@ def _wait_until(condition: Callable[[], bool], streams: list[Stream], what: str)
         time.sleep(0.002)
 
 
-def pause_when_blocks_used(address: str, pid: int, min_blocks: int,
-                          watching: multiprocessing.synchronize.Event) -> None:
-    """Sends SIGUSR1 (--debug-hooks: pause the step loop) to `pid` once the worker at `address`
-    holds `min_blocks` KV blocks; exits 1 if that does not happen within a minute."""
-    deadline = time.monotonic() + 60
-    with grpc.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        while stub.Stats(worker_pb2.StatsRequest(), timeout=10).kv_blocks_used < min_blocks:
-            watching.set()
-            if time.monotonic() > deadline:
-                raise SystemExit(1)
-            time.sleep(0.001)
-    os.kill(pid, signal.SIGUSR1)
-
-
 def test_killing_a_decode_worker_loses_no_stream(model_dir: pathlib.Path) -> None:
     topo = start_topology("--engine", "reference", "--model", str(model_dir), "--device", "cpu",
                           "--kv-block-size", "32", "--num-gpu-blocks-override", "512",
@@ -132,26 +117,25 @@ def test_killing_a_decode_worker_loses_no_stream(model_dir: pathlib.Path) -> Non
             thread.start()
         _wait_until(lambda: sum(stats(a).num_waiting for a in (victim, survivor))
                     >= NUM_STREAMS, streams, "every stream queued at a worker")
-        queued = stats(victim).num_waiting  # round robin: half of them, checked below
-        # The victim's streams are under way by its engine's count (clients' counts lag far
-        # behind on a loaded machine): each holds a second KV block, so each generated some 10
-        # tokens (prompts of about 24 tokens, blocks of 32). Its step loop is held there, so none
-        # of them can finish while the clients catch up. A process of its own watches for that:
-        # this one, busy with 40 streams, answers too late.
-        context = multiprocessing.get_context("spawn")
-        watching = context.Event()
-        pauser = context.Process(target=pause_when_blocks_used,
-                                 args=(victim, pids[0], 2 * queued, watching), daemon=True)
-        pauser.start()
-        assert watching.wait(60)
-        for pid in pids:
-            os.kill(pid, signal.SIGUSR2)
+        # The victim's engine pauses itself once every one of its streams is mid-answer (some
+        # 10 tokens each: the clients' counts lag far behind on a loaded machine), so none of
+        # them can finish while the clients catch up. The engine decides that at the end of a
+        # step: a poll from here would race it (and lost, under a loaded test suite).
+        with grpc.insecure_channel(victim) as channel:
+            updates = worker_pb2_grpc.WorkerStub(channel).PauseWhen(
+                worker_pb2.PauseWhenRequest(min_output_tokens=PAUSE_AT_TOKENS), timeout=120)
+            assert next(updates).state == worker_pb2.PauseWhenUpdate.ARMED
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR2)
+            paused = next(updates)
+        assert paused.state == worker_pb2.PauseWhenUpdate.PAUSED
+        # Round robin: half the streams, all admitted, none finished.
+        assert paused.num_running == NUM_STREAMS // 2, paused
+        assert PAUSE_AT_TOKENS <= paused.min_output_tokens < MAX_TOKENS, paused
 
         def under_way(s: Stream) -> bool:
             return s.num_tokens >= TOKENS_BEFORE_KILL or s.error is not None
 
-        pauser.join(60)
-        assert pauser.exitcode == 0, "the victim's streams never got under way"
         _wait_until(lambda: all(map(under_way, streams)), streams, "every stream under way")
         os.kill(pids[0], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -12,7 +12,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine, Progress, TransferObserver
+from tandem.engines.base import Engine, PausePoint, Progress, TransferObserver
 from tandem.engines.batching.host_copies import CopyTiming, HostCopies
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
@@ -86,6 +86,8 @@ class BatchingEngine(Engine):
         #: Cleared by the pause_steps test hook: the loop then waits before its next step.
         self._steps_allowed = asyncio.Event()
         self._steps_allowed.set()
+        #: The pause_when test hook: its condition and the future it sets.
+        self._pause_at: tuple[int, asyncio.Future[PausePoint]] | None = None
         #: True while the loop waits for blocks held outside the batch (leases, KV reads):
         #: no step is due then, so no progress is owed.
         self._is_blocked_on_peers = False
@@ -350,6 +352,8 @@ class BatchingEngine(Engine):
         sampled = await self._execute(plan)
         self._apply(plan, sampled)
         self._publish(self.pool.take_events())
+        if self._pause_at is not None:
+            self._maybe_pause()
 
     def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
         finished_any = False
@@ -408,6 +412,29 @@ class BatchingEngine(Engine):
     def resume_steps(self) -> None:
         log.warning("%s engine step loop resumed (debug hook)", self.name)
         self._steps_allowed.set()
+
+    def pause_when(self, min_output_tokens: int) -> asyncio.Future[PausePoint]:
+        if self._pause_at is not None:
+            self._pause_at[1].cancel()
+        paused: asyncio.Future[PausePoint] = asyncio.get_running_loop().create_future()
+        self._pause_at = (min_output_tokens, paused)
+        log.warning("%s engine pauses once every request has %d output tokens (debug hook)",
+                    self.name, min_output_tokens)
+        return paused
+
+    def _maybe_pause(self) -> None:
+        assert self._pause_at is not None
+        min_tokens, paused = self._pause_at
+        running = [r for r in self.scheduler.running if not r.is_finished]
+        if self.scheduler.waiting or self.scheduler.loaded or self.loads or not running:
+            return
+        fewest = min(r.num_output for r in running)
+        if fewest < min_tokens:
+            return
+        self._pause_at = None
+        self.pause_steps()
+        if not paused.done():
+            paused.set_result(PausePoint(len(running), fewest))
 
     # ---- observability ----------------------------------------------------------------------
 
