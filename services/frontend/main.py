@@ -31,7 +31,8 @@ from tandem.multimodal.fetch import MediaFetchConfig, MediaFetcher
 from tandem.multimodal.placeholders import ImagePlaceholders
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
-from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients, RouterClient
+from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients
+from tandem.runtime.router_client import RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.tls import TlsConfig, http_ssl_context
 from tandem.runtime.video_client import VideoWorkerClients
@@ -85,7 +86,11 @@ class FrontendConfig:
     #: Thinking-2507), qwen3 (Qwen3 with enable_thinking) or gpt_oss; "": none.
     reasoning_parser: str = ""
     # == routing ==
-    #: The router's gRPC address, host:port.
+    #: The router replicas' gRPC addresses, host:port, comma-separated. Route calls are spread
+    #: over every replica that is up and fail over between them; while none answers, the
+    #: frontend routes alone on the last worker list a router gave it (least loaded, no kv
+    #: index), says so in a log line and tandem_frontend_router_fallback, and goes back to the
+    #: routers as soon as one says SERVING.
     router_address: str = "127.0.0.1:9100"
     #: Served name of the video model behind the router's video pool: /v1/videos serves it and
     #: /v1/models lists it (kind "video"); "": no video API.
@@ -186,7 +191,10 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     metrics = FrontendMetrics(model.name)
     clients = FrontendClients(
         RouterClient(config.router_address, timeout_s=config.router_timeout_s,
-                     max_local_prefill_length=config.max_local_prefill_length, tls=config.tls),
+                     max_local_prefill_length=config.max_local_prefill_length, tls=config.tls,
+                     block_size=config.kv_block_size,
+                     on_fallback=lambda active: metrics.router_fallback.set(int(active)),
+                     on_fallback_route=metrics.fallback_routes.inc),
         DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
         PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media)
@@ -217,6 +225,7 @@ async def serve(config: FrontendConfig) -> None:
     log.info("security", extra={"api_keys": api_keys.num_keys, "tls": config.tls.enabled,
                                 "mtls": config.tls.require_client_cert})
     frontend, clients = build_frontend(config)
+    clients.router.start()
     build_info.register(frontend.pipeline.metrics.registry, "frontend")
     if config.metrics_port:
         start_http_server(config.metrics_port, config.host,
@@ -255,7 +264,7 @@ async def serve(config: FrontendConfig) -> None:
 def video_api(config: FrontendConfig, router: RouterClient, grpc_service: GrpcService,
               frontend: Frontend) -> VideoRoutes:
     """/v1/videos over the router's video pool; its connections close with the service."""
-    workers = VideoWorkerClients(config.router_address, config.tls)
+    workers = VideoWorkerClients(router.list_workers, config.tls)
     metrics = VideoFrontendMetrics(frontend.pipeline.metrics.registry)
     videos = VideoFrontend(config.video_model, router, workers, metrics)
     grpc_service.on_close(videos.close)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import start_http_server
@@ -77,9 +78,32 @@ class Membership:
         self._watch(self.router.all_workers())
         return [asyncio.create_task(self.run_dns(p)) for p in pools if p.dns]
 
+    def is_settled(self) -> bool:
+        """Whether every worker's index entry is rebuilt (or its worker cannot deliver now)."""
+        return all(w.is_settled for w in list(self.watchers.values()))
+
     async def close(self) -> None:
         for watcher in self.watchers.values():
             await watcher.close()
+
+
+class Readiness:
+    """A (re)started router decides only once its prefix index is rebuilt from every worker's
+    event stream, or `timeout_s` after start, whichever comes first; then for good."""
+
+    def __init__(self, membership: Membership, timeout_s: float) -> None:
+        self.membership = membership
+        self.deadline = time.monotonic() + timeout_s
+        self._ready = False
+
+    def __call__(self) -> bool:
+        if not self._ready and (self.membership.is_settled()
+                                or time.monotonic() >= self.deadline):
+            self._ready = True
+            log.info("router ready: index rebuilt from the workers' event streams",
+                     extra={"indexed_blocks": self.membership.router.index.num_blocks,
+                            "workers": len(self.membership.watchers)})
+        return self._ready
 
 
 async def serve(config: RouterConfig) -> None:
@@ -97,14 +121,13 @@ async def serve(config: RouterConfig) -> None:
                                  for w in router.all_workers()})
     if config.metrics_port:
         start_http_server(config.metrics_port, config.host, registry=metrics.registry)
-    router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(router, config.typical_osl, metrics), service.server)
     health_updates: set[asyncio.Task[None]] = set()
 
     def on_change() -> None:
-        # The router serves only while some worker can take a request: `tandem up` and
-        # orchestrators then never send traffic to a router that would answer UNAVAILABLE.
-        serving = router.can_serve()
+        # The router serves only once its index is rebuilt and while some worker can take a
+        # request: `tandem up`, orchestrators and frontends then never send traffic to a
+        # router that would answer UNAVAILABLE or route blind to the workers' caches.
+        serving = ready() and router.can_serve()
         for pool in router.pools:
             metrics.healthy_workers.labels(pool.name).set(
                 sum(w.healthy for w in pool.workers.values()))
@@ -118,7 +141,12 @@ async def serve(config: RouterConfig) -> None:
     service.serve_when_started = False
     await service.set_serving(False)
     membership = Membership(router, config.dns_refresh_s, on_change, config.tls)
+    ready = Readiness(membership, config.startup_sync_timeout_s)
+    router_pb2_grpc.add_RouterServicer_to_server(
+        RouterServicer(router, config.typical_osl, metrics, ready), service.server)
     dns_tasks = membership.start(config.resolved_pools())
+    # Past the deadline the router serves whatever its index holds by then.
+    asyncio.get_running_loop().call_later(config.startup_sync_timeout_s, on_change)
 
     async def close() -> None:
         for task in dns_tasks:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -10,7 +11,7 @@ from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.runtime import tracing
-from tandem.runtime.router_status import pools_to_pb
+from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_to_pb
 from tandem.v1 import router_pb2 as pb
 from tandem.v1 import router_pb2_grpc
 
@@ -38,21 +39,31 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
+    """`is_ready` says whether the router may decide yet: a (re)started router first rebuilds
+    its prefix index from every worker's event stream; until then Route answers UNAVAILABLE
+    (an outage, which frontends fail over, not a verdict)."""
+
     def __init__(self, router: Router, default_osl: int,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None,
+                 is_ready: Callable[[], bool] = lambda: True) -> None:
         self.router = router
         self.default_osl = default_osl
         self.metrics = metrics or RouterMetrics()
+        self.is_ready = is_ready
 
     async def Route(self, request: pb.RouteRequest,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         for done in request.completed:
             self.router.complete(done.request_id)
+        if not self.is_ready():
+            raise Unavailable("router starting: its index is not rebuilt from every worker's "
+                              "event stream yet")
         start = time.perf_counter()
         try:
             decision = self.router.route(route_info(request, self.default_osl))
         except Unavailable:
             self.metrics.unroutable.inc()
+            context.set_trailing_metadata(((ROUTER_VERDICT_KEY, "unroutable"),))
             raise
         self.metrics.observe(decision, time.perf_counter() - start)
         if tracing.is_enabled():

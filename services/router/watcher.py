@@ -56,6 +56,8 @@ class WorkerWatcher:
         self._events_outage_logged = False
         #: Set whenever the worker's candidacy or index changes (tests and metrics wait on it).
         self.changed = asyncio.Event()
+        #: Whether the worker's index entry is as rebuilt as it can be now (see `is_settled`).
+        self._was_settled = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -71,10 +73,22 @@ class WorkerWatcher:
                 await task
         await self.channel.close()
 
+    @property
+    def is_settled(self) -> bool:
+        """Whether the router has what it can have of this worker: its event stream delivered
+        (the first message replays the worker's whole cache into the index), or the worker
+        cannot deliver now (unreachable, or not serving: starting or draining)."""
+        return self._events_seen or self.state.health in (Health.UNREACHABLE,
+                                                          Health.NOT_SERVING)
+
     def _update(self) -> None:
+        settled = self.is_settled and not self._was_settled
+        self._was_settled |= settled
         if self.state.refresh_candidacy():
             log.info("worker candidacy changed", extra={"worker": self.state.worker_id,
                                                         "healthy": self.state.healthy})
+            self.on_change()
+        elif settled:
             self.on_change()
         self.changed.set()
 

@@ -59,6 +59,13 @@ class FrontendMetrics:
             buckets=_HOP_BUCKETS, registry=r)
         self._hops = {hop: self.token_hops.labels(model, hop)
                       for hop in ("engine_to_send", "send_to_receive", "receive_to_sse")}
+        self.router_fallback = Gauge(
+            "tandem_frontend_router_fallback", "1 while no router replica answers and this "
+            "frontend routes alone on the last worker list (kv-aware routing off), else 0",
+            registry=r)
+        self.fallback_routes = Counter(
+            "tandem_frontend_fallback_routes", "Requests this frontend routed alone because no "
+            "router replica answered", registry=r)
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
         self._streamed = self.output_tokens_total.labels(model)

@@ -67,6 +67,10 @@ class RouterConfig:
     # == reliability ==
     #: Seconds in-flight calls get to finish after SIGTERM.
     grace_period_s: float = 30.0
+    #: Longest a (re)started router waits for every worker's event stream to replay its cache
+    #: into the index before it takes Route calls anyway, seconds (a worker that cannot be
+    #: reached, or is starting, is not waited for).
+    startup_sync_timeout_s: float = 10.0
     # == observability ==
     #: Port of the Prometheus /metrics endpoint; 0: none.
     metrics_port: int = 0

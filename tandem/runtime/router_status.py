@@ -13,6 +13,11 @@ from tandem.runtime import status
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import kv_events_pb2, router_pb2, router_pb2_grpc
 
+#: Trailing metadata key of a Route refused for the request's sake (no eligible healthy worker):
+#: the router's verdict, which clients raise, as opposed to an outage of the router, which they
+#: fail over (tandem.runtime.router_client).
+ROUTER_VERDICT_KEY = "tandem-router-verdict"
+
 _HEALTH_TO_PB = {Health.UNKNOWN: router_pb2.WORKER_HEALTH_UNSPECIFIED,
                  Health.SERVING: router_pb2.WORKER_HEALTH_SERVING,
                  Health.NOT_SERVING: router_pb2.WORKER_HEALTH_NOT_SERVING,

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import grpc
 from opentelemetry.trace import SpanKind
 
 from tandem.errors import FailedPrecondition, InvalidRequest, TandemError
+from tandem.routing.snapshot import PoolSnapshot
 from tandem.runtime import status, tracing
 from tandem.runtime import video_convert as convert
 from tandem.runtime.interceptor import REQUEST_ID_KEY
-from tandem.runtime.router_status import RouterStatusClient
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import video_pb2 as pb
 from tandem.v1 import video_pb2_grpc
@@ -40,10 +40,14 @@ def _error(exc: grpc.aio.AioRpcError, address: str) -> TandemError:
 
 
 class VideoWorkerClients:
-    def __init__(self, router_address: str, tls: TlsConfig | None = None) -> None:
+    """`list_workers` gives the routers' pools (RouterClient.list_workers: any replica that
+    answers, else the last list)."""
+
+    def __init__(self, list_workers: Callable[..., Awaitable[list[PoolSnapshot]]],
+                 tls: TlsConfig | None = None) -> None:
         self.tls = tls
         self._stubs: dict[str, tuple[grpc.aio.Channel, video_pb2_grpc.VideoStub]] = {}
-        self._router = RouterStatusClient(router_address, tls)
+        self._list_workers = list_workers
         self._members: frozenset[str] = frozenset()
         self._members_at = 0.0
 
@@ -59,7 +63,7 @@ class VideoWorkerClients:
         if address in self._members and fresh:
             return True
         if not fresh or address not in self._members:
-            pools = await self._router.list_workers(timeout_s=5.0)
+            pools = await self._list_workers(timeout_s=5.0)
             self._members = frozenset(w.address for p in pools if p.kind == "video"
                                       for w in p.workers)
             self._members_at = time.monotonic()
@@ -118,6 +122,5 @@ class VideoWorkerClients:
             call.cancel()
 
     async def close(self) -> None:
-        await self._router.close()
         for channel, _ in self._stubs.values():
             await channel.close()

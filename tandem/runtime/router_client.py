@@ -1,0 +1,420 @@
+"""The frontend's client of the router replicas: Route calls spread over every replica that is up,
+failover to the next when one cannot be reached, and routing of its own (FallbackRouter) while
+none can, so that no router process is a single point of failure.
+
+A replica that fails a call at the transport (or answers that it is still starting) is down:
+requests skip it while a probe watches its grpc.health.v1 status, and it takes requests again
+once it says SERVING (a restarted router says so only after its index is rebuilt). A replica's
+own verdict ("no healthy worker") is an answer, not an outage: it is raised, not failed over.
+Completions go back to the replica that counted the request, riding on its next Route or, when
+none comes within `flush_ms`, in one Complete call.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+
+from tandem.errors import Unavailable
+from tandem.routing.fallback import FallbackRouter
+from tandem.routing.router import RouteRequestInfo
+from tandem.routing.snapshot import PoolSnapshot
+from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
+from tandem.runtime import status, tracing
+from tandem.runtime.interceptor import REQUEST_ID_KEY
+from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb
+from tandem.runtime.tls import TlsConfig, aio_channel
+from tandem.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # Reconnect soon after a router restarts, not after gRPC's default 1-120 s back-off.
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2_000)]
+_OUTCOMES = {"ok": router_pb2.OUTCOME_OK, "error": router_pb2.OUTCOME_ERROR,
+             "cancelled": router_pb2.OUTCOME_CANCELLED}
+#: Codes of a call that says nothing about the request: the replica is gone, hung or starting.
+_OUTAGE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           grpc.StatusCode.CANCELLED})
+#: Between two health probes of a replica that is down.
+PROBE_S = (0.1, 0.2, 0.5, 1.0)
+#: Completions kept for a replica that is down (the oldest go first past it).
+MAX_PENDING = 65_536
+
+
+def _ref(msg: router_pb2.WorkerRef) -> WorkerRef:
+    return WorkerRef(msg.worker_id, msg.address, msg.pool)
+
+
+def split_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """`host:port[,host:port...]` (or a list of them) as a list, blanks dropped."""
+    items = [addresses] if isinstance(addresses, str) else list(addresses)
+    return [a.strip() for item in items for a in item.split(",") if a.strip()]
+
+
+class ReplicaState(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass
+class _Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: router_pb2_grpc.RouterStub
+    state: ReplicaState = ReplicaState.UP
+    pending: list[router_pb2.Completion] = field(default_factory=list)
+    flush_timer: asyncio.TimerHandle | None = None
+    probe: asyncio.Task[None] | None = None
+
+    def take_pending(self) -> list[router_pb2.Completion]:
+        pending, self.pending = self.pending, []
+        if self.flush_timer is not None:
+            self.flush_timer.cancel()
+            self.flush_timer = None
+        return pending
+
+
+class _Outage(Exception):
+    """A replica could not answer (the call is tried on the next one)."""
+
+
+class RouterClient:
+    """Route and Complete over one or more router replicas, with routing of its own while none
+    answers (see the module docstring).
+
+    Args:
+        addresses: the replicas, `host:port` each (a comma-separated string or a list).
+        on_fallback: told True when the client starts routing alone, False when a replica is
+            back (metrics).
+        on_fallback_route: told of each request routed without a router (metrics).
+    """
+
+    def __init__(self, addresses: str | Sequence[str], flush_ms: float = 20.0,
+                 timeout_s: float = 10.0, max_local_prefill_length: int = 0,
+                 tls: TlsConfig | None = None, block_size: int = 32,
+                 snapshot_interval_s: float = 2.0,
+                 on_fallback: Callable[[bool], None] = lambda active: None,
+                 on_fallback_route: Callable[[], None] = lambda: None) -> None:
+        self.addresses = split_addresses(addresses)
+        if not self.addresses:
+            raise ValueError("RouterClient needs at least one router address")
+        self.address = ",".join(self.addresses)
+        #: Conditional disaggregation threshold sent with every Route (RouteRequest field).
+        self.max_local_prefill_length = max_local_prefill_length
+        #: Longest wait for a Route answer when the request itself has no nearer deadline.
+        self.timeout_s = timeout_s
+        self.flush_s = flush_ms / 1000
+        self.snapshot_interval_s = snapshot_interval_s
+        self._replicas = []
+        for address in self.addresses:
+            channel = aio_channel(address, tls, _OPTIONS)
+            self._replicas.append(_Replica(address, channel, router_pb2_grpc.RouterStub(channel)))
+        self._next = 0
+        #: Request id -> the replica that counted it; None: routed here (fallback).
+        self._routed_by: dict[str, _Replica | None] = {}
+        self.fallback = FallbackRouter(block_size)
+        self._on_fallback = on_fallback
+        self._on_fallback_route = on_fallback_route
+        self.is_fallback_active = False
+        self._snapshot_task: asyncio.Task[None] | None = None
+        self._snapshot_due = 0.0
+        #: Probes and list refreshes (cancelled at close), and completion flushes (awaited).
+        self._background: set[asyncio.Task[None]] = set()
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Takes the first worker list (the fallback's) in the background, from the first
+        replica that answers. Call on the event loop."""
+        self._snapshot_task = self._spawn(self._first_snapshot(), self._background)
+        self._snapshot_task.add_done_callback(self._snapshot_done)
+
+    async def _first_snapshot(self) -> None:
+        attempt = 0
+        while self.fallback.updated_at is None:
+            for replica in self._up_order():
+                await self._refresh_snapshot(replica)
+                if self.fallback.updated_at is not None:
+                    return
+            await asyncio.sleep(PROBE_S[min(attempt, len(PROBE_S) - 1)])
+            attempt += 1
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    async def route(self, request_id: str, token_ids: list[int], expected_osl: int,
+                    sla: SlaHints, exclude_ids: tuple[str, ...] = (),
+                    timeout_s: float | None = None, block_hashes: Sequence[int] = (),
+                    has_images: bool = False, prefer_ids: tuple[str, ...] = ()
+                    ) -> RouteDecision:
+        request = router_pb2.RouteRequest(
+            request_id=request_id, token_ids=token_ids, isl=len(token_ids),
+            expected_osl=expected_osl, exclude_worker_ids=exclude_ids,
+            max_local_prefill_length=self.max_local_prefill_length,
+            block_hashes=block_hashes, has_images=has_images, prefer_worker_ids=prefer_ids)
+        if sla.ttft_ms is not None:
+            request.sla.ttft_ms = sla.ttft_ms
+        if sla.itl_ms is not None:
+            request.sla.itl_ms = sla.itl_ms
+        if sla.priority is not None:
+            request.priority = sla.priority
+        timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        reply = await self._route(request, timeout)
+        if reply is None:
+            return self._route_alone(RouteRequestInfo(
+                request_id, token_ids, block_hashes, len(token_ids), expected_osl, sla,
+                exclude_ids, self.max_local_prefill_length, has_images, prefer_ids))
+        return RouteDecision(decode_workers=tuple(_ref(w) for w in reply.decode_workers),
+                             prefill_workers=tuple(_ref(w) for w in reply.prefill_workers),
+                             encode_workers=tuple(_ref(w) for w in reply.encode_workers),
+                             disaggregate=reply.disaggregate,
+                             overlap_blocks=reply.overlap_blocks)
+
+    async def route_video(self, request_id: str, exclude_ids: tuple[str, ...] = ()
+                          ) -> tuple[WorkerRef, ...]:
+        """Video workers for a video request, best first (RouteRequest.video)."""
+        request = router_pb2.RouteRequest(request_id=request_id, video=True,
+                                          exclude_worker_ids=exclude_ids)
+        reply = await self._route(request, self.timeout_s)
+        if reply is None:
+            return self._route_alone(RouteRequestInfo(
+                request_id, (), (), 0, 0, SlaHints(), exclude_ids, video=True)).video_workers
+        return tuple(_ref(w) for w in reply.video_workers)
+
+    async def _route(self, request: router_pb2.RouteRequest, timeout_s: float
+                     ) -> router_pb2.RouteResponse | None:
+        """The first replica's answer, in round-robin order over those up; None when none can
+        answer (the caller routes alone)."""
+        request_id = request.request_id
+        self._forget(request_id)  # a re-routed request is counted where it is routed now
+        for replica in self._up_order():
+            try:
+                reply = await self._call_route(replica, request, timeout_s)
+            except _Outage:
+                continue
+            self._routed_by[request_id] = replica
+            if self.is_fallback_active:
+                self._set_fallback(False)
+            self._maybe_refresh_snapshot(replica)
+            return reply
+        return None
+
+    def replica_states(self) -> list[str]:
+        """Each replica's state ("up" or "down"), in the order of `addresses`."""
+        return [r.state.value for r in self._replicas]
+
+    def _up_order(self) -> list[_Replica]:
+        up = [r for r in self._replicas if r.state is ReplicaState.UP]
+        if not up:
+            return []
+        self._next = (self._next + 1) % len(up)
+        return up[self._next:] + up[:self._next]
+
+    async def _call_route(self, replica: _Replica, request: router_pb2.RouteRequest,
+                          timeout_s: float) -> router_pb2.RouteResponse:
+        completed = replica.take_pending()
+        del request.completed[:]
+        request.completed.extend(completed)
+        request_id = request.request_id
+        with tracing.span("tandem.v1.Router/Route", SpanKind.CLIENT, {
+                "rpc.system": "grpc", "rpc.service": "tandem.v1.Router", "rpc.method": "Route",
+                "server.address": replica.address}, current=False) as span:
+            try:
+                return await replica.stub.Route(request, timeout=timeout_s, metadata=(
+                    (REQUEST_ID_KEY, request_id), *tracing.inject(span)))
+            except BaseException as exc:
+                # The router may not have read them: report those completions again
+                # (idempotent).
+                self._requeue(replica, completed)
+                if not isinstance(exc, grpc.aio.AioRpcError):
+                    raise
+                # The request's own deadline, or the router's verdict on it, is an answer.
+                own_deadline = (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                                and timeout_s < self.timeout_s)
+                if exc.code() not in _OUTAGE_CODES or own_deadline or _is_verdict(exc):
+                    raise status.from_rpc_error(exc, f"router {replica.address}") from None
+                self._mark_down(replica, exc)
+                raise _Outage() from None
+
+    def _route_alone(self, info: RouteRequestInfo) -> RouteDecision:
+        if not self.is_fallback_active:
+            self._set_fallback(True)
+        decision = self.fallback.route(info)
+        self._routed_by[info.request_id] = None
+        self._on_fallback_route()
+        return decision
+
+    def _set_fallback(self, active: bool) -> None:
+        self.is_fallback_active = active
+        self._on_fallback(active)
+        if active:
+            age = (time.monotonic() - self.fallback.updated_at
+                   if self.fallback.updated_at is not None else None)
+            log.warning("no router replica answers: routing alone on the last worker list "
+                        "(kv-aware routing off until a router is back)", extra={
+                            "routers": self.address, "workers": self.fallback.num_workers,
+                            "list_age_s": None if age is None else round(age, 1)})
+        else:
+            log.info("a router replica answers again: routing through it",
+                     extra={"routers": self.address})
+
+    # ---- replicas going down and coming back --------------------------------------------------
+
+    def _mark_down(self, replica: _Replica, exc: grpc.aio.AioRpcError) -> None:
+        if replica.state is ReplicaState.DOWN:
+            return
+        replica.state = ReplicaState.DOWN
+        log.warning("router replica down; probing its health", extra={
+            "router": replica.address, "error": f"{exc.code().name}: {exc.details()}"})
+        replica.probe = self._spawn(self._probe(replica), self._background)
+
+    async def _probe(self, replica: _Replica) -> None:
+        """Until the replica's health says SERVING (the router serves only once its index is
+        rebuilt from the workers' event streams)."""
+        stub = health_pb2_grpc.HealthStub(replica.channel)
+        attempt = 0
+        while True:
+            await asyncio.sleep(PROBE_S[min(attempt, len(PROBE_S) - 1)])
+            attempt += 1
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        replica.state = ReplicaState.UP
+        replica.probe = None
+        log.info("router replica back", extra={"router": replica.address})
+        if replica.pending:
+            self._start_flush(replica)
+        self._snapshot_due = 0.0
+
+    # ---- the worker list the fallback routes on ---------------------------------------------
+
+    def _maybe_refresh_snapshot(self, replica: _Replica) -> None:
+        """Keeps the fallback's worker list at most `snapshot_interval_s` old while requests
+        flow (nothing is asked while idle)."""
+        now = time.monotonic()
+        if now < self._snapshot_due or self._snapshot_task is not None:
+            return
+        self._snapshot_due = now + self.snapshot_interval_s
+        self._snapshot_task = self._spawn(self._refresh_snapshot(replica), self._background)
+        self._snapshot_task.add_done_callback(self._snapshot_done)
+
+    def _snapshot_done(self, task: asyncio.Task[None]) -> None:
+        if self._snapshot_task is task:
+            self._snapshot_task = None
+
+    async def _refresh_snapshot(self, replica: _Replica) -> None:
+        try:
+            reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
+                                                   timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("ListWorkers failed", extra={"router": replica.address,
+                                                   "error": exc.details()})
+        else:
+            self.fallback.update(pools_from_pb(reply), time.monotonic())
+
+    async def list_workers(self, timeout_s: float = 5.0) -> list[PoolSnapshot]:
+        """Every pool and worker as a replica sees them (the first that answers); the last
+        list taken when none does.
+
+        Raises:
+            Unavailable: no replica answers and no list was ever taken.
+        """
+        for replica in self._up_order():
+            try:
+                reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
+                                                       timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _OUTAGE_CODES:
+                    self._mark_down(replica, exc)
+                    continue
+                raise status.from_rpc_error(exc, f"router {replica.address}") from None
+            pools = pools_from_pb(reply)
+            self.fallback.update(pools, time.monotonic())
+            return pools
+        last = self.fallback.pools()
+        if last is None:
+            raise Unavailable(f"no router answers ({self.address})")
+        return last
+
+    # ---- completions ------------------------------------------------------------------------
+
+    def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
+        if request_id not in self._routed_by:
+            return
+        replica = self._routed_by.pop(request_id)
+        if replica is None:
+            self.fallback.complete(request_id)
+            return
+        self._requeue(replica, [router_pb2.Completion(
+            request_id=request_id, outcome=_OUTCOMES[outcome], output_tokens=output_tokens)])
+
+    def _forget(self, request_id: str) -> None:
+        """A request routed again: its earlier hand-out is released where it was counted."""
+        if request_id in self._routed_by:
+            self.report_completion(request_id, "error", 0)
+
+    def _requeue(self, replica: _Replica, completions: list[router_pb2.Completion]) -> None:
+        if not completions:
+            return
+        replica.pending.extend(completions)
+        del replica.pending[:-MAX_PENDING]
+        if replica.flush_timer is None and replica.state is ReplicaState.UP:
+            replica.flush_timer = asyncio.get_running_loop().call_later(
+                self.flush_s, self._start_flush, replica)
+
+    def _start_flush(self, replica: _Replica) -> None:
+        replica.flush_timer = None
+        self._spawn(self._flush(replica), self._flushes)
+
+    async def _flush(self, replica: _Replica) -> None:
+        pending = replica.take_pending()
+        if not pending:
+            return
+        try:
+            await replica.stub.Complete(router_pb2.CompleteRequest(completions=pending),
+                                        timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            # A replica that restarted forgot these anyway; one that blipped corrects its
+            # counts with the workers' next load reports.
+            log.warning("router Complete failed", extra={
+                "router": replica.address, "error": exc.details(), "completions": len(pending)})
+
+    async def flush(self) -> None:
+        """Sends every pending completion now."""
+        await asyncio.gather(*(self._flush(r) for r in self._replicas
+                               if r.state is ReplicaState.UP))
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    @staticmethod
+    def _spawn(coro: Coroutine[object, object, None], tasks: set[asyncio.Task[None]]
+               ) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.flush()
+        await asyncio.gather(*self._flushes, return_exceptions=True)
+        for replica in self._replicas:
+            await replica.channel.close()
+
+
+def _is_verdict(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed Route is the router's answer about the request (e.g. no healthy
+    worker) rather than an outage of the router itself."""
+    return any(key == ROUTER_VERDICT_KEY for key, _ in exc.trailing_metadata() or ())
