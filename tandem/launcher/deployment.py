@@ -12,6 +12,7 @@ import yaml
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.launcher.supervisor import RESTART_POLICIES
 from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.progress import WatchdogConfig
@@ -115,6 +116,11 @@ class Deployment:
     #: Frontend admission control: requests waiting for one of those slots; past it, 429 with
     #: Retry-After; 0: no limit.
     frontend_max_queued_requests: int = 4096
+    #: What `tandem up` does when a service exits while the topology runs: on-failure
+    #: (restart it after a back-off of 0.5 s doubling to 30 s, as compose's `restart:` and
+    #: Kubernetes do; `tandem status` shows the restart counts) or no (log it and leave it
+    #: down).
+    restart_policy: str = "on-failure"
     #: Workers: health that proves progress (--progress-timeout-s, --canary-interval-s, ...).
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     # == observability ==
@@ -229,6 +235,9 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
                              "not have: use --engine reference with a vision model",
                              param="encode_ports")
+    if d.restart_policy not in RESTART_POLICIES:
+        raise InvalidRequest(f"restart_policy must be one of {', '.join(RESTART_POLICIES)}, "
+                             f"got {d.restart_policy!r}", param="restart_policy")
     disaggregated = any(pool.kind == "prefill" for pool in pools(d))
     workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
         *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.errors import TandemError
+from tandem.launcher.supervisor import read_state, state_path
 from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
 from tandem.runtime import config as config_lib
 from tandem.runtime.router_status import RouterStatusClient
@@ -83,9 +84,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def format_json(address: str, pools: Sequence[PoolSnapshot]) -> str:
-    return json.dumps({"router": address,
-                       "pools": [_plain(dataclasses.asdict(p)) for p in pools]}, indent=2)
+def format_json(address: str, pools: Sequence[PoolSnapshot],
+                launcher: dict[str, Any] | None = None) -> str:
+    body: dict[str, Any] = {"router": address,
+                            "pools": [_plain(dataclasses.asdict(p)) for p in pools]}
+    if launcher is not None:
+        body["launcher"] = launcher
+    return json.dumps(body, indent=2)
 
 
 async def fetch(config: StatusConfig) -> list[PoolSnapshot]:
@@ -94,21 +99,59 @@ async def fetch(config: StatusConfig) -> list[PoolSnapshot]:
         return await client.list_workers(config.timeout_s)
 
 
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0")
+_SERVICE_COLUMNS = ("SERVICE", "PID", "STATE", "RESTARTS", "LAST EXIT")
+
+
+def launcher_state(router_address: str) -> dict[str, Any] | None:
+    """What a `tandem up` on this machine with that router port says of its processes."""
+    host, _, port = router_address.rpartition(":")
+    if host not in _LOCAL_HOSTS or not port.isdigit():
+        return None
+    return read_state(state_path(int(port)))
+
+
+def format_services(state: dict[str, Any]) -> str:
+    """The launcher's processes: one line each, with restart counts and how each last exited."""
+    rows = [(s["name"], str(s["pid"]), s["state"], str(s["restarts"]), s["last_exit"] or "-")
+            for s in state["services"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_SERVICE_COLUMNS)]
+    restarts = sum(int(s["restarts"]) for s in state["services"])
+    lines = [f"tandem up (pid {state['launcher_pid']}, restart policy "
+             f"{state['restart_policy']}): {len(rows)} service(s), {restarts} restart(s)"]
+    for r in (_SERVICE_COLUMNS, *rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     config = config_lib.load(StatusConfig, argv, prog="tandem status",
                              description="Show every pool and worker of a Tandem router: "
-                                         "routing candidate or not (and why), load, KV usage.")
+                                         "routing candidate or not (and why), load, KV usage; "
+                                         "with a `tandem up` on this machine, its processes "
+                                         "and their restarts.")
+    state = launcher_state(config.router_address)
     try:
         pools = asyncio.run(fetch(config))
     except TandemError as exc:
         message = " ".join(exc.message.split())  # one line, whatever gRPC said
         if config.router_address not in message:
             message = f"router {config.router_address}: {message}"
+        # The router may be the one restarting: say what the launcher knows all the same.
+        if config.json:
+            print(json.dumps({"router": config.router_address, "error": message,
+                              **({"launcher": state} if state is not None else {})},
+                             indent=2), flush=True)
+        elif state is not None:
+            print(format_services(state), flush=True)
         print(f"tandem status: {message}", file=sys.stderr)
         return 1
-    formatted = format_json if config.json else format_table
     try:
-        print(formatted(config.router_address, pools), flush=True)
+        if config.json:
+            print(format_json(config.router_address, pools, state), flush=True)
+        else:
+            print(format_table(config.router_address, pools)
+                  + (f"\n\n{format_services(state)}" if state is not None else ""), flush=True)
     except BrokenPipeError:  # `tandem status | head`: the reader took what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -25,6 +25,7 @@ from tandem.launcher.deployment import (
     video_model_name,
     with_model,
 )
+from tandem.launcher.supervisor import Supervisor, state_path
 from tandem.model.demo import ensure_demo_model
 from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.runtime import config as config_lib
@@ -60,16 +61,23 @@ class Topology:
 
     def start(self) -> None:
         for spec in self.specs:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            if (path := self._termination_log(spec.name)) is not None:
-                env[TERMINATION_LOG_ENV] = str(path)
-            # Own session: a Ctrl-C on the terminal reaches only the launcher, which then stops
-            # the children in order (frontend first) instead of all at once.
-            self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
-                                                        start_new_session=True,
-                                                        preexec_fn=die_with_parent)
-            log.debug("started", extra={"service": spec.name,
-                                        "pid": self.children[spec.name].pid})
+            self._spawn(spec)
+
+    def _spawn(self, spec: ServiceProcess) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if (path := self._termination_log(spec.name)) is not None:
+            env[TERMINATION_LOG_ENV] = str(path)
+        # Own session: a Ctrl-C on the terminal reaches only the launcher, which then stops
+        # the children in order (frontend first) instead of all at once.
+        child = self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
+                                                            start_new_session=True,
+                                                            preexec_fn=die_with_parent)
+        log.debug("started", extra={"service": spec.name, "pid": child.pid})
+        return child
+
+    def restart(self, name: str) -> subprocess.Popen[bytes]:
+        """Starts service `name` again, with the command line it first had."""
+        return self._spawn(next(s for s in self.specs if s.name == name))
 
     def failure(self, name: str) -> StartupFailed:
         """Why child `name` exited: the line it wrote to its termination log, else its code."""
@@ -179,12 +187,20 @@ async def run(d: Deployment) -> int:
         loop.add_signal_handler(sig, stop.set)
     topology.start()
     failure: StartupFailed | None = None
+    supervisor: Supervisor | None = None
     try:
         ready = asyncio.ensure_future(topology.wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
             ready.result()  # raises when a service died during start-up
+            # From here on a service that exits is restarted (a start-up failure is final).
+            supervisor = Supervisor(topology.children, topology.restart, d.restart_policy,
+                                    state_path(d.router_port), {
+                                        "launcher_pid": os.getpid(),
+                                        "router": f"{d.host}:{d.router_port}",
+                                        "restart_policy": d.restart_policy})
+            supervisor.start()
             print(_banner(d, model_dir, name), flush=True)
             await stopped
         else:
@@ -192,6 +208,8 @@ async def run(d: Deployment) -> int:
     except StartupFailed as exc:
         failure = exc
     finally:
+        if supervisor is not None:
+            await supervisor.stop()
         await topology.stop(d.grace_period_s)
         shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:

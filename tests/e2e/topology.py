@@ -68,11 +68,13 @@ class Topology:
 
 
 def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_encode: int = 0,
-                   env: Mapping[str, str] | None = None) -> Topology:
+                   env: Mapping[str, str] | None = None, restart: bool = False) -> Topology:
     """Runs `tandem up` on free ports and returns once it printed its READY line (every service
     serves and the router takes every worker as a candidate); with `num_prefill`,
     disaggregated (`--disagg`); with `num_encode`, an encode pool (`--encode-ports`); `env`
-    adds to the environment of every service."""
+    adds to the environment of every service. Without `restart`, a service that dies stays
+    down (`--restart-policy no`: the fault tests watch what its absence does); with it, the
+    launcher restarts it as it does by default."""
     http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill + num_encode)
     decode, prefill = workers[:num_decode], workers[num_decode:num_decode + num_prefill]
     encode = workers[num_decode + num_prefill:]
@@ -81,7 +83,8 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
         disagg += ["--encode-ports", *map(str, encode)]
     argv = tandem_cmd("up", "--http-port", str(http), "--grpc-port", str(grpc_port),
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
-                      "--grace-period-s", "5", *disagg, *extra)
+                      "--grace-period-s", "5", *disagg,
+                      *([] if restart else ["--restart-policy", "no"]), *extra)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     ready = _read_ready_line(proc)
