@@ -3,7 +3,6 @@ errors leave as OpenAI error JSON with the status from tandem.frontend.errors.""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -13,7 +12,8 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.frontend.openapi import openapi_document
-from tandem.errors import InvalidRequest, TandemError, Unauthenticated, Unavailable
+from tandem.errors import TandemError, Unauthenticated, Unavailable
+from tandem.frontend import json_body
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.errors import http_error
 from tandem.frontend.frontend import Frontend
@@ -105,10 +105,7 @@ class OpenAIRoutes:
         try:
             if self.draining.active:
                 raise Unavailable("the frontend is draining")
-            try:
-                body = json.loads(await request.read())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+            body = json_body.loads(await request.read())
             parsed = parse_request(body, kind, request.headers)
             gen = await self.frontend.prepare(parsed, parsed.timeout_s)
         except web.HTTPException:

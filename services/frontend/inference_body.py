@@ -4,10 +4,10 @@ field at fault is named as the REST API would name it (e.g. "tools[0].parameters
 "tools[0].function.parameters")."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tandem.errors import InvalidRequest
+from tandem.frontend import json_body
 from tandem.frontend.openai_request import Kind
 from tandem.v1 import common_pb2
 from tandem.v1 import inference_pb2 as pb
@@ -101,10 +101,7 @@ def _tool(tool: pb.Tool, index: int) -> dict[str, Any]:
 
 
 def _json(text: str, param: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise InvalidRequest(f"'{param}' is not valid JSON: {exc}", param=param) from None
+    return json_body.loads(text, f"'{param}'", param)
 
 
 def _guided_body(guided: common_pb2.GuidedDecoding) -> dict[str, Any]:

@@ -10,7 +10,6 @@ DELETE /v1/videos/{id}          cancel: the worker stops after the denoising ste
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,6 +19,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.frontend import json_body
 from tandem.frontend.errors import error_body, http_error
 from tandem.runtime import tracing
 from tandem.runtime.server import Draining
@@ -84,10 +84,7 @@ class VideoRoutes:
             fields: dict[str, Any] = {k: (v.file.read() if hasattr(v, "file") else v)
                                       for k, v in form.items()}
             return api.parse_create(fields, form=True)
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        body = json_body.loads(await request.read())
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         return api.parse_create(body)

@@ -23,6 +23,7 @@ from typing import Any
 from tandem.engines.guided.grammar import check
 from tandem.engines.types import GuidedDecoding, GuidedKind
 from tandem.errors import InvalidRequest
+from tandem.frontend import json_body
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
@@ -86,11 +87,7 @@ def _response_format(value: object) -> tuple[str, GuidedDecoding] | None:
 
 def _json(value: object, param: str) -> GuidedDecoding:
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise InvalidRequest(f"'{param}' is a string but not JSON: {exc}",
-                                 param=param) from None
+        value = json_body.loads(value, f"'{param}' (a string)", param)
     if not isinstance(value, dict):
         raise _must(param, "a JSON schema object (or a string holding one)", value)
     return GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(value))

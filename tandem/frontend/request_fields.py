@@ -64,6 +64,12 @@ def _off(value: Any) -> bool:
     return value is False or value == [] or value == {} or value == ""
 
 
+def _never(value: Any) -> bool:
+    """For objects whose mere presence asks for the feature (`web_search_options: {}` is a web
+    search with default options): only absent or null is accepted."""
+    return False
+
+
 def _is(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: any(value == a and type(value) is type(a) for a in allowed)
 
@@ -71,11 +77,12 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 _BOTH: tuple[Kind, ...] = ("chat", "completion")
 REFUSED: tuple[Refusal, ...] = (
     Refusal("logit_bias", _BOTH, _off, "is not supported (no per-token biases)"),
-    Refusal("audio", ("chat",), _off, "is not supported: the output is text only"),
+    Refusal("audio", ("chat",), _never, "is not supported: the output is text only"),
     Refusal("modalities", ("chat",), lambda v: v in (["text"], []),
             "may only be [\"text\"]: the output is text only"),
-    Refusal("prediction", ("chat",), _off, "(predicted outputs) is not supported"),
-    Refusal("web_search_options", ("chat",), _off, "is not supported: there is no web search"),
+    Refusal("prediction", ("chat",), _never, "(predicted outputs) is not supported"),
+    Refusal("web_search_options", ("chat",), _never,
+            "is not supported: there is no web search (any value, {} included, asks for one)"),
     Refusal("store", ("chat",), _off, "must be false: completions are not stored"),
     Refusal("service_tier", ("chat",), _is("auto", "default"),
             "may only be 'auto' or 'default': there is one service tier"),

@@ -7,8 +7,10 @@ import pathlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tandem.errors import InvalidRequest
+from tandem.errors import InvalidRequest, TandemError
 from tandem.video import api, job_ids
 from tandem.video.jobs import JobNotFound
 from tandem.video.mp4 import encode_mp4
@@ -128,3 +130,27 @@ def test_mp4_decodes_to_its_frames() -> None:
         decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
         assert container.streams.video[0].codec_context.name == "h264"
     assert len(decoded) == 9 and decoded[0].shape == (32, 48, 3)
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
+            | st.text(max_size=12) | st.sampled_from(["832x480", "32x32", "0x0", "x", "1e9"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=10)
+_VIDEO_FIELDS = ["model", "prompt", "negative_prompt", "size", "seconds", "fps", "num_frames",
+                 "num_inference_steps", "guidance_scale", "seed", "response_format",
+                 "input_reference", "nvext", "user", "x"]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(body=st.dictionaries(st.sampled_from(_VIDEO_FIELDS), _JSON, max_size=5),
+       nvext=st.dictionaries(st.sampled_from(_VIDEO_FIELDS), _JSON, max_size=3))
+def test_any_video_body_is_parsed_or_refused_with_a_typed_error(
+        body: dict[str, object], nvext: dict[str, object]) -> None:
+    """What /v1/videos answers 4xx (a TandemError) or takes; anything else would be a 500."""
+    if nvext:
+        body = {**body, "nvext": nvext}
+    try:
+        req = api.parse_create({"prompt": "a cat", **body})
+        resolve(req.params, LIMITS, WAN)
+    except TandemError as exc:
+        assert exc.message
