@@ -135,6 +135,10 @@ class FrontendConfig:
     api_keys_file: str = ""
     #: TLS on the HTTP and gRPC ports, TLS/mTLS on the channels to router and workers (--tls-*).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    #: With --tls-require-client-cert, leave the HTTPS port asking no client certificate (API
+    #: keys alone authenticate its clients, e.g. behind a load balancer that ends TLS with
+    #: certificates of its own); the gRPC ports stay mTLS.
+    http_no_client_cert: bool = False
     # == observability ==
     #: Plain-HTTP port that serves only /metrics, for scrapers that should not reach the API
     #: (or its TLS); 0: none. The OpenAI port serves /metrics too.
@@ -221,9 +225,11 @@ async def serve(config: FrontendConfig) -> None:
     tracing.setup("frontend")
     logs.log_config(log, config_lib.as_dict(config))
     api_keys = ApiKeys.load(config.api_keys, config.api_keys_file)
-    ssl_context = http_ssl_context(config.tls)
+    ssl_context = http_ssl_context(config.tls, not config.http_no_client_cert)
     log.info("security", extra={"api_keys": api_keys.num_keys, "tls": config.tls.enabled,
-                                "mtls": config.tls.require_client_cert})
+                                "mtls": config.tls.require_client_cert,
+                                "http_mtls": config.tls.require_client_cert
+                                and not config.http_no_client_cert})
     frontend, clients = build_frontend(config)
     clients.router.start()
     build_info.register(frontend.pipeline.metrics.registry, "frontend")

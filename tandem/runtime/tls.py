@@ -4,8 +4,9 @@ With `cert_file` set, a service serves TLS on its gRPC port (and the frontend on
 and every gRPC channel it opens to a peer (router, workers) is TLS too, verifying the peer
 against `ca_file` (the system's roots when empty). With `require_client_cert` (mTLS), gRPC
 servers refuse a client without a certificate signed by `ca_file`; a service presents its own
-certificate as its client certificate. The HTTP port never asks for client certificates: API
-keys authenticate its clients.
+certificate as its client certificate. The frontend's HTTPS port follows require_client_cert
+too, unless the frontend runs with --http-no-client-cert (API keys alone then authenticate its
+HTTP clients).
 
 grpc is imported where credentials are built, so that config modules without gRPC (the router's)
 can hold a TlsConfig.
@@ -34,7 +35,8 @@ class TlsConfig:
     key_file: str = field(default="", metadata={"flag": "--tls-key-file"})
     #: PEM CA bundle that peers' certificates are verified against; unset: the system's roots.
     ca_file: str = field(default="", metadata={"flag": "--tls-ca-file"})
-    #: mTLS: gRPC ports refuse clients without a certificate signed by --tls-ca-file.
+    #: mTLS: gRPC ports and the frontend's HTTPS port refuse clients without a certificate
+    #: signed by --tls-ca-file.
     require_client_cert: bool = field(default=False,
                                       metadata={"flag": "--tls-require-client-cert"})
     #: Name to verify in peers' certificates instead of the host of their address (one
@@ -96,13 +98,19 @@ def aio_channel(address: str, tls: TlsConfig | None,
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=opts)
 
 
-def http_ssl_context(tls: TlsConfig) -> ssl.SSLContext | None:
-    """The HTTP listener's context (server side, no client certificates); None: plaintext."""
+def http_ssl_context(tls: TlsConfig, ask_client_cert: bool = True) -> ssl.SSLContext | None:
+    """The HTTP listener's context (server side); None: plaintext. With require_client_cert
+    (and `ask_client_cert`), a client without a certificate signed by ca_file is refused in
+    the handshake, as on the gRPC ports."""
     if not tls.enabled:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(tls.cert_file, tls.key_file)
+        if tls.require_client_cert and ask_client_cert:
+            context.load_verify_locations(cafile=tls.ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
     except (OSError, ssl.SSLError) as exc:
-        raise InvalidRequest(f"cannot load TLS certificate {tls.cert_file}: {exc}") from None
+        raise InvalidRequest(f"cannot load TLS files {tls.cert_file}, {tls.ca_file}: "
+                             f"{exc}") from None
     return context

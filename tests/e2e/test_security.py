@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -210,10 +211,17 @@ def secure_topology(pki: Pki) -> Iterator[Topology]:
         assert topo.stop() == 0
 
 
+def _https(pki: Pki, cert: tuple[pathlib.Path, pathlib.Path] | None) -> ssl.SSLContext:
+    """A client context that trusts the test CA and presents `cert` (none: no certificate)."""
+    context = ssl.create_default_context(cafile=pki.ca)
+    if cert is not None:
+        context.load_cert_chain(*cert)
+    return context
+
+
 def _openai(url: str, pki: Pki, api_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0,
-                         http_client=openai.DefaultHttpxClient(
-                             verify=ssl.create_default_context(cafile=pki.ca)))
+                         http_client=openai.DefaultHttpxClient(verify=_https(pki, pki.client)))
 
 
 def test_openai_client_needs_the_api_key(pki: Pki, secure_topology: Topology) -> None:
@@ -230,8 +238,24 @@ def test_openai_client_needs_the_api_key(pki: Pki, secure_topology: Topology) ->
         model=model, messages=messages, max_tokens=4)  # frontend -> router -> worker over mTLS
     assert reply.usage is not None and reply.usage.completion_tokens == 4
     health = urllib.request.urlopen(url + "/health", timeout=10,
-                                    context=ssl.create_default_context(cafile=pki.ca))
+                                    context=_https(pki, pki.client))
     assert health.status == 200  # probes need no key
+
+
+@pytest.mark.parametrize("cert", ["none", "rogue"])
+def test_mtls_https_port_refuses_clients_without_a_trusted_certificate(
+        pki: Pki, secure_topology: Topology, cert: str) -> None:
+    """--tls-require-client-cert holds on the frontend's HTTPS port too: no certificate, or one
+    from another CA, is refused in the handshake, before any API key is looked at."""
+    context = _https(pki, None if cert == "none" else pki.rogue)
+    request = urllib.request.Request(secure_topology.http_url + "/v1/models",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)) as info:
+        urllib.request.urlopen(request, timeout=10, context=context).read()
+    assert "certificate" in str(info.value).lower() or isinstance(
+        info.value, (ConnectionError, ssl.SSLError)), info.value
+    reply = urllib.request.urlopen(request, timeout=10, context=_https(pki, pki.client))
+    assert reply.status == 200
 
 
 def test_grpc_inference_api_needs_the_api_key(pki: Pki, secure_topology: Topology) -> None:
@@ -269,7 +293,9 @@ def test_tandem_status_speaks_mtls_from_flags_or_the_environment(
         (pool,) = json.loads(reply.stdout)["pools"]
         assert [(w["worker_id"], w["candidate"]) for w in pool["workers"]] == [
             (secure_topology.decode_addresses[0], True)]
-    # Plaintext, or TLS without a client certificate: refused, in one line.
+    # Plaintext, or TLS without a client certificate: refused, in one line (the JSON says only
+    # what the local launcher knows, and the error).
     for refused in (status(), status("--tls-ca-file", str(pki.ca))):
-        assert refused.returncode == 1 and refused.stdout == ""
+        assert refused.returncode == 1 and "pools" not in json.loads(refused.stdout)
+        assert json.loads(refused.stdout)["error"] in refused.stderr
         assert len(refused.stderr.splitlines()) == 1, refused.stderr

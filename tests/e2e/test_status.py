@@ -47,8 +47,16 @@ def wait_worker(router: str, worker_id: str, until: str) -> WorkerSnapshot:
 
 
 def rows(table: str) -> dict[str, str]:
-    """Table rows by worker id (the third column)."""
-    return {line.split()[2]: line for line in table.splitlines()[2:]}
+    """Worker table rows by worker id (the third column); the launcher's services follow the
+    worker table after a blank line."""
+    workers = table.split("\n\n")[0]
+    return {line.split()[2]: line for line in workers.splitlines()[2:]}
+
+
+def services(table: str) -> dict[str, list[str]]:
+    """The launcher's service rows (after the worker table) by service name."""
+    _, launcher = table.split("\n\n")
+    return {line.split()[0]: line.split() for line in launcher.splitlines()[2:]}
 
 
 def stuck_request(address: str) -> None:
@@ -69,6 +77,10 @@ def test_status_lists_every_worker_and_why_one_is_not_a_candidate() -> None:
         assert lines[0] == (f"router {topo.router_address}: 1 pool(s), 2 worker(s), "
                             "2 candidate(s)")
         assert lines[1].split()[:5] == ["POOL", "KIND", "WORKER", "ADDRESS", "CANDIDATE"]
+        # The local `tandem up` lists its processes too (it restarts none here: the topology
+        # runs with --restart-policy no).
+        assert set(services(table.stdout)) == {"decode-0", "decode-1", "router", "frontend"}
+        assert all(row[2:4] == ["running", "0"] for row in services(table.stdout).values())
         for address in topo.decode_addresses:
             row = rows(table.stdout)[address].split()
             assert row[:6] == ["decode", "decode", address, address, "yes", "0"]

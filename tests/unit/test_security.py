@@ -3,6 +3,9 @@ check, and how `tandem up` hands the config to every service."""
 from __future__ import annotations
 
 import pathlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -212,3 +215,16 @@ async def test_more_messages_than_the_limit_is_400() -> None:
     prepared = await frontend.prepare(parse_request({"model": "demo", "messages": chat[:3]},
                                                     "chat"))
     assert prepared.prompt_token_ids
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_https_port_asks_client_certificates_exactly_under_mtls(tmp_path: pathlib.Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "c.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=t"], check=True, capture_output=True)
+    tls = TlsConfig(str(cert), str(key), str(cert))
+    mtls = TlsConfig(str(cert), str(key), str(cert), require_client_cert=True)
+    modes = [(context := http_ssl_context(c, ask)) is not None and context.verify_mode
+             for c, ask in ((tls, True), (mtls, True), (mtls, False))]
+    assert modes == [ssl.CERT_NONE, ssl.CERT_REQUIRED, ssl.CERT_NONE]
