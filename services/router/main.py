@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -17,7 +16,7 @@ from tandem.routing.grid import GridConfig
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router
 from tandem.routing.workers import WorkerState
-from tandem.runtime import build_info, logs, loop, tracing
+from tandem.runtime import build_info, dns, logs, loop, tracing
 from tandem.runtime import config as config_lib
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.tls import TlsConfig
@@ -33,13 +32,6 @@ def build_router(config: RouterConfig) -> Router:
                              param="pools")
     grid = GridConfig.from_file(config.grid_config) if config.grid_config else None
     return Router(pools, grid, config.block_size, config.typical_osl)
-
-
-async def _resolve(dns: str) -> list[str]:
-    host, _, port = dns.rpartition(":")
-    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port),
-                                                         type=socket.SOCK_STREAM)
-    return sorted({f"{info[4][0]}:{port}" for info in infos})
 
 
 class Membership:
@@ -62,7 +54,7 @@ class Membership:
     async def run_dns(self, pool: PoolConfig) -> None:
         while True:
             try:
-                addresses = await _resolve(pool.dns)
+                addresses = await dns.resolve(pool.dns)
             except OSError as exc:
                 log.warning("DNS resolution failed", extra={"dns": pool.dns, "error": str(exc)})
             else:

@@ -50,6 +50,10 @@ class Deployment:
     frontend_processes: int = 1
     #: Router gRPC port.
     router_port: int = 9100
+    #: Router processes, each with the whole index (every worker's event stream): replica i
+    #: listens on router_port + i, and the frontend spreads its Route calls over all of them,
+    #: failing over when one is down.
+    router_replicas: int = 1
     #: One decode (aggregated) worker per port, in one pool (used when `pools` is empty).
     decode_ports: list[int] = field(default_factory=lambda: [9200])
     # == model and engine ==
@@ -253,9 +257,11 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
             worker.argv.extend(["--metrics-port", str(metrics_port)])
     router_file = workdir / "router.yaml"
     router_file.write_text(yaml.safe_dump(router_config(d)))
-    router = ServiceProcess("router", f"{d.host}:{d.router_port}", _serve(
-        "router", "--host", d.host, "--port", str(d.router_port), "--config", str(router_file),
-        *common))
+    if d.router_replicas < 1:
+        raise InvalidRequest("router_replicas must be at least 1", param="router_replicas")
+    routers = [ServiceProcess(name, f"{d.host}:{port}", _serve(
+        "router", "--host", d.host, "--port", str(port), "--config", str(router_file), *common))
+        for name, port in router_ports(d).items()]
     frontend_flags = ["--model", d.engine_args.model] if d.engine_args.model else []
     if d.engine_args.max_seq_len:
         frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]
@@ -281,9 +287,17 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
                        *config_lib.to_argv(d.media)]
     frontend_argv = _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
-        str(d.grpc_port), "--router-address", f"{d.host}:{d.router_port}", *model,
+        str(d.grpc_port), "--router-address",
+        ",".join(f"{d.host}:{port}" for port in router_ports(d).values()), *model,
         *frontend_flags, *common, "--processes", "1")
-    return [*workers, router, *frontends(d, frontend_argv)]
+    return [*workers, *routers, *frontends(d, frontend_argv)]
+
+
+def router_ports(d: Deployment) -> dict[str, int]:
+    """Router process name -> its port: "router", or "router-0", "router-1", ... for several."""
+    if d.router_replicas == 1:
+        return {"router": d.router_port}
+    return {f"router-{i}": d.router_port + i for i in range(d.router_replicas)}
 
 
 def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:

@@ -22,6 +22,7 @@ from tandem.launcher.deployment import (
     Deployment,
     ServiceProcess,
     processes,
+    router_ports,
     video_model_name,
     with_model,
 )
@@ -48,8 +49,11 @@ class StartupFailed(RuntimeError):
 
 class Topology:
     def __init__(self, specs: list[ServiceProcess], tls: TlsConfig,
-                 workdir: pathlib.Path | None = None) -> None:
+                 workdir: pathlib.Path | None = None,
+                 router_names: Sequence[str] = ("router",)) -> None:
         self.specs = specs
+        #: The router processes (each must take every worker before the topology is ready).
+        self.router_names = tuple(router_names)
         #: The services' TLS config: the launcher's health probes speak it too.
         self.tls = tls
         #: Where each child writes the line that says why it failed (its termination log).
@@ -110,7 +114,10 @@ class Topology:
         """Returns when the router takes every worker of every pool as a routing candidate: the
         router serves as soon as one can take a request, and a worker it has not taken yet
         would get no traffic. Raises if a process exits first."""
-        router = next(s.health_address for s in self.specs if s.name == "router")
+        routers = [s.health_address for s in self.specs if s.name in self.router_names]
+        await asyncio.gather(*(self._wait_router_candidates(router) for router in routers))
+
+    async def _wait_router_candidates(self, router: str) -> None:
         logged_at = time.monotonic()
         async with RouterStatusClient(router, self.tls) as client:
             while True:
@@ -180,7 +187,7 @@ async def run(d: Deployment) -> int:
     d = with_model(d, model_dir)
     name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    topology = Topology(processes(d, workdir), d.tls, workdir)
+    topology = Topology(processes(d, workdir), d.tls, workdir, list(router_ports(d)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -2,24 +2,19 @@
 failover to the next when one cannot be reached, and routing of its own (FallbackRouter) while
 none can, so that no router process is a single point of failure.
 
-A replica that fails a call at the transport (or answers that it is still starting) is down:
-requests skip it while a probe watches its grpc.health.v1 status, and it takes requests again
-once it says SERVING (a restarted router says so only after its index is rebuilt). A replica's
-own verdict ("no healthy worker") is an answer, not an outage: it is raised, not failed over.
+A replica that fails a call at the transport (or answers that it is still starting) is down
+until its health says SERVING again (router_replicas.py). A replica's own verdict ("no healthy worker") is an answer, not an outage: it is raised, not failed over.
 Completions go back to the replica that counted the request, riding on its next Route or, when
 none comes within `flush_ms`, in one Complete call.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from tandem.errors import Unavailable
@@ -29,58 +24,30 @@ from tandem.routing.snapshot import PoolSnapshot
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import status, tracing
 from tandem.runtime.interceptor import REQUEST_ID_KEY
+from tandem.runtime.router_replicas import (
+    Replica,
+    ReplicaState,
+    RouterReplicas,
+    split_addresses,
+)
 from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb
-from tandem.runtime.tls import TlsConfig, aio_channel
-from tandem.v1 import router_pb2, router_pb2_grpc
+from tandem.runtime.tls import TlsConfig
+from tandem.v1 import router_pb2
 
 log = logging.getLogger(__name__)
-_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            # Reconnect soon after a router restarts, not after gRPC's default 1-120 s back-off.
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2_000)]
 _OUTCOMES = {"ok": router_pb2.OUTCOME_OK, "error": router_pb2.OUTCOME_ERROR,
              "cancelled": router_pb2.OUTCOME_CANCELLED}
 #: Codes of a call that says nothing about the request: the replica is gone, hung or starting.
 _OUTAGE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                            grpc.StatusCode.CANCELLED})
-#: Between two health probes of a replica that is down.
-PROBE_S = (0.1, 0.2, 0.5, 1.0)
+#: Between two attempts at the first worker list.
+FIRST_LIST_S = (0.1, 0.2, 0.5, 1.0)
 #: Completions kept for a replica that is down (the oldest go first past it).
 MAX_PENDING = 65_536
 
 
 def _ref(msg: router_pb2.WorkerRef) -> WorkerRef:
     return WorkerRef(msg.worker_id, msg.address, msg.pool)
-
-
-def split_addresses(addresses: str | Sequence[str]) -> list[str]:
-    """`host:port[,host:port...]` (or a list of them) as a list, blanks dropped."""
-    items = [addresses] if isinstance(addresses, str) else list(addresses)
-    return [a.strip() for item in items for a in item.split(",") if a.strip()]
-
-
-class ReplicaState(enum.Enum):
-    UP = "up"
-    DOWN = "down"
-
-
-@dataclass
-class _Replica:
-    address: str
-    channel: grpc.aio.Channel
-    stub: router_pb2_grpc.RouterStub
-    state: ReplicaState = ReplicaState.UP
-    pending: list[router_pb2.Completion] = field(default_factory=list)
-    flush_timer: asyncio.TimerHandle | None = None
-    probe: asyncio.Task[None] | None = None
-
-    def take_pending(self) -> list[router_pb2.Completion]:
-        pending, self.pending = self.pending, []
-        if self.flush_timer is not None:
-            self.flush_timer.cancel()
-            self.flush_timer = None
-        return pending
 
 
 class _Outage(Exception):
@@ -92,7 +59,9 @@ class RouterClient:
     answers (see the module docstring).
 
     Args:
-        addresses: the replicas, `host:port` each (a comma-separated string or a list).
+        addresses: the replicas, `host:port` each (a comma-separated string or a list); a
+            `dns:host:port` entry stands for every address the name resolves to, re-resolved
+            every `dns_refresh_s` (a Kubernetes headless Service over the router's pods).
         on_fallback: told True when the client starts routing alone, False when a replica is
             back (metrics).
         on_fallback_route: told of each request routed without a router (metrics).
@@ -101,7 +70,7 @@ class RouterClient:
     def __init__(self, addresses: str | Sequence[str], flush_ms: float = 20.0,
                  timeout_s: float = 10.0, max_local_prefill_length: int = 0,
                  tls: TlsConfig | None = None, block_size: int = 32,
-                 snapshot_interval_s: float = 2.0,
+                 snapshot_interval_s: float = 2.0, dns_refresh_s: float = 10.0,
                  on_fallback: Callable[[bool], None] = lambda active: None,
                  on_fallback_route: Callable[[], None] = lambda: None) -> None:
         self.addresses = split_addresses(addresses)
@@ -114,37 +83,44 @@ class RouterClient:
         self.timeout_s = timeout_s
         self.flush_s = flush_ms / 1000
         self.snapshot_interval_s = snapshot_interval_s
-        self._replicas = []
-        for address in self.addresses:
-            channel = aio_channel(address, tls, _OPTIONS)
-            self._replicas.append(_Replica(address, channel, router_pb2_grpc.RouterStub(channel)))
-        self._next = 0
+        self.replicas = RouterReplicas(self.addresses, tls, dns_refresh_s, self._on_back)
         #: Request id -> the replica that counted it; None: routed here (fallback).
-        self._routed_by: dict[str, _Replica | None] = {}
+        self._routed_by: dict[str, Replica | None] = {}
         self.fallback = FallbackRouter(block_size)
         self._on_fallback = on_fallback
         self._on_fallback_route = on_fallback_route
         self.is_fallback_active = False
         self._snapshot_task: asyncio.Task[None] | None = None
         self._snapshot_due = 0.0
-        #: Probes and list refreshes (cancelled at close), and completion flushes (awaited).
+        #: List refreshes (cancelled at close), and completion flushes (awaited).
         self._background: set[asyncio.Task[None]] = set()
         self._flushes: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
-        """Takes the first worker list (the fallback's) in the background, from the first
-        replica that answers. Call on the event loop."""
+        """Follows the DNS names, and takes the first worker list (the fallback's) from the
+        first replica that answers, in the background. Call on the event loop."""
+        self.replicas.start()
         self._snapshot_task = self._spawn(self._first_snapshot(), self._background)
         self._snapshot_task.add_done_callback(self._snapshot_done)
 
+    def replica_states(self) -> list[str]:
+        """Each replica's state ("up" or "down")."""
+        return self.replicas.states()
+
+    def _on_back(self, replica: Replica) -> None:
+        if replica.pending:
+            self._start_flush(replica)
+        self._snapshot_due = 0.0
+
     async def _first_snapshot(self) -> None:
+        await self.replicas.resolved.wait()
         attempt = 0
         while self.fallback.updated_at is None:
-            for replica in self._up_order():
+            for replica in self.replicas.up_order():
                 await self._refresh_snapshot(replica)
                 if self.fallback.updated_at is not None:
                     return
-            await asyncio.sleep(PROBE_S[min(attempt, len(PROBE_S) - 1)])
+            await asyncio.sleep(FIRST_LIST_S[min(attempt, len(FIRST_LIST_S) - 1)])
             attempt += 1
 
     # ---- routing ----------------------------------------------------------------------------
@@ -192,9 +168,11 @@ class RouterClient:
                      ) -> router_pb2.RouteResponse | None:
         """The first replica's answer, in round-robin order over those up; None when none can
         answer (the caller routes alone)."""
+        if not self.replicas.resolved.is_set():
+            await self.replicas.resolved.wait()
         request_id = request.request_id
         self._forget(request_id)  # a re-routed request is counted where it is routed now
-        for replica in self._up_order():
+        for replica in self.replicas.up_order():
             try:
                 reply = await self._call_route(replica, request, timeout_s)
             except _Outage:
@@ -206,18 +184,7 @@ class RouterClient:
             return reply
         return None
 
-    def replica_states(self) -> list[str]:
-        """Each replica's state ("up" or "down"), in the order of `addresses`."""
-        return [r.state.value for r in self._replicas]
-
-    def _up_order(self) -> list[_Replica]:
-        up = [r for r in self._replicas if r.state is ReplicaState.UP]
-        if not up:
-            return []
-        self._next = (self._next + 1) % len(up)
-        return up[self._next:] + up[:self._next]
-
-    async def _call_route(self, replica: _Replica, request: router_pb2.RouteRequest,
+    async def _call_route(self, replica: Replica, request: router_pb2.RouteRequest,
                           timeout_s: float) -> router_pb2.RouteResponse:
         completed = replica.take_pending()
         del request.completed[:]
@@ -240,7 +207,7 @@ class RouterClient:
                                 and timeout_s < self.timeout_s)
                 if exc.code() not in _OUTAGE_CODES or own_deadline or _is_verdict(exc):
                     raise status.from_rpc_error(exc, f"router {replica.address}") from None
-                self._mark_down(replica, exc)
+                self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
                 raise _Outage() from None
 
     def _route_alone(self, info: RouteRequestInfo) -> RouteDecision:
@@ -265,40 +232,9 @@ class RouterClient:
             log.info("a router replica answers again: routing through it",
                      extra={"routers": self.address})
 
-    # ---- replicas going down and coming back --------------------------------------------------
-
-    def _mark_down(self, replica: _Replica, exc: grpc.aio.AioRpcError) -> None:
-        if replica.state is ReplicaState.DOWN:
-            return
-        replica.state = ReplicaState.DOWN
-        log.warning("router replica down; probing its health", extra={
-            "router": replica.address, "error": f"{exc.code().name}: {exc.details()}"})
-        replica.probe = self._spawn(self._probe(replica), self._background)
-
-    async def _probe(self, replica: _Replica) -> None:
-        """Until the replica's health says SERVING (the router serves only once its index is
-        rebuilt from the workers' event streams)."""
-        stub = health_pb2_grpc.HealthStub(replica.channel)
-        attempt = 0
-        while True:
-            await asyncio.sleep(PROBE_S[min(attempt, len(PROBE_S) - 1)])
-            attempt += 1
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-            except grpc.aio.AioRpcError:
-                continue
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        replica.state = ReplicaState.UP
-        replica.probe = None
-        log.info("router replica back", extra={"router": replica.address})
-        if replica.pending:
-            self._start_flush(replica)
-        self._snapshot_due = 0.0
-
     # ---- the worker list the fallback routes on ---------------------------------------------
 
-    def _maybe_refresh_snapshot(self, replica: _Replica) -> None:
+    def _maybe_refresh_snapshot(self, replica: Replica) -> None:
         """Keeps the fallback's worker list at most `snapshot_interval_s` old while requests
         flow (nothing is asked while idle)."""
         now = time.monotonic()
@@ -312,7 +248,7 @@ class RouterClient:
         if self._snapshot_task is task:
             self._snapshot_task = None
 
-    async def _refresh_snapshot(self, replica: _Replica) -> None:
+    async def _refresh_snapshot(self, replica: Replica) -> None:
         try:
             reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
                                                    timeout=self.timeout_s)
@@ -329,13 +265,13 @@ class RouterClient:
         Raises:
             Unavailable: no replica answers and no list was ever taken.
         """
-        for replica in self._up_order():
+        for replica in self.replicas.up_order():
             try:
                 reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
                                                        timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _OUTAGE_CODES:
-                    self._mark_down(replica, exc)
+                    self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
                     continue
                 raise status.from_rpc_error(exc, f"router {replica.address}") from None
             pools = pools_from_pb(reply)
@@ -363,7 +299,7 @@ class RouterClient:
         if request_id in self._routed_by:
             self.report_completion(request_id, "error", 0)
 
-    def _requeue(self, replica: _Replica, completions: list[router_pb2.Completion]) -> None:
+    def _requeue(self, replica: Replica, completions: list[router_pb2.Completion]) -> None:
         if not completions:
             return
         replica.pending.extend(completions)
@@ -372,11 +308,11 @@ class RouterClient:
             replica.flush_timer = asyncio.get_running_loop().call_later(
                 self.flush_s, self._start_flush, replica)
 
-    def _start_flush(self, replica: _Replica) -> None:
+    def _start_flush(self, replica: Replica) -> None:
         replica.flush_timer = None
         self._spawn(self._flush(replica), self._flushes)
 
-    async def _flush(self, replica: _Replica) -> None:
+    async def _flush(self, replica: Replica) -> None:
         pending = replica.take_pending()
         if not pending:
             return
@@ -391,7 +327,7 @@ class RouterClient:
 
     async def flush(self) -> None:
         """Sends every pending completion now."""
-        await asyncio.gather(*(self._flush(r) for r in self._replicas
+        await asyncio.gather(*(self._flush(r) for r in self.replicas.all
                                if r.state is ReplicaState.UP))
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -410,8 +346,7 @@ class RouterClient:
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.flush()
         await asyncio.gather(*self._flushes, return_exceptions=True)
-        for replica in self._replicas:
-            await replica.channel.close()
+        await self.replicas.close()
 
 
 def _is_verdict(exc: grpc.aio.AioRpcError) -> bool:

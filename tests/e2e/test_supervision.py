@@ -40,9 +40,13 @@ def api(topo: Topology) -> openai.OpenAI:
 
 
 def status(topo: Topology) -> dict[str, Any]:
+    return status_of(topo.router_address)
+
+
+def status_of(router: str) -> dict[str, Any]:
     """`tandem status --json`: the router's pools and the launcher's services (those alone,
     with the router's error, while the router is down)."""
-    out = subprocess.run(tandem_cmd("status", "--json", "--router-address", topo.router_address),
+    out = subprocess.run(tandem_cmd("status", "--json", "--router-address", router),
                          capture_output=True, text=True, timeout=30)
     body: dict[str, Any] = json.loads(out.stdout)
     assert (out.returncode == 0) == ("error" not in body), out.stderr
@@ -163,3 +167,32 @@ def test_a_killed_decode_worker_is_restarted_and_routed_to_again(topo: Topology)
     # Distinct prompts, so that no cached prefix holds them to one worker.
     picks = {served_by(client, topo.model, [5, i, 6, i] * 10) for i in range(12)}
     assert victim in picks
+
+
+def test_two_router_replicas_serve_one_frontend_and_one_may_die() -> None:
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "1", "--router-policy", "kv",
+                          "--router-replicas", "2", num_decode=2)  # restart policy: no
+    try:
+        client = api(topo)
+        holder = served_by(client, topo.model, PREFIX + [1])
+        host, port = topo.router_address.rsplit(":", 1)
+        second = f"{host}:{int(port) + 1}"
+        # Each replica follows every worker: both know where the prefix is.
+        for router in (topo.router_address, second):
+            listed = {w["worker_id"]: w["indexed_blocks"]
+                      for p in status_of(router)["pools"] for w in p["workers"]}
+            assert listed[holder] >= len(PREFIX) // 32, listed
+        with SteadyLoad(client, topo.model) as load:
+            wait_until(lambda: load.answered >= 10, "the load never got going")
+            os.kill(child_pid(topo.process.pid, int(port) + 1), signal.SIGKILL)
+            answered_at_kill = load.answered
+            wait_until(lambda: load.answered >= answered_at_kill + 20,
+                       "requests stopped after one replica died")
+        assert load.failures == [], load.failures[:3]
+        assert load.answered == load.asked
+        # The other replica answered every Route: the frontend never routed alone.
+        assert metric(topo, "tandem_frontend_fallback_routes_total") == 0
+        assert [served_by(client, topo.model, PREFIX + [10 + i]) for i in range(4)] == \
+            [holder] * 4
+    finally:
+        topo.stop()

@@ -76,6 +76,8 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
     down (`--restart-policy no`: the fault tests watch what its absence does); with it, the
     launcher restarts it as it does by default."""
     http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill + num_encode)
+    if "--router-replicas" in extra:  # replica i listens on router + i
+        router = consecutive_free_ports(int(extra[extra.index("--router-replicas") + 1]))[0]
     decode, prefill = workers[:num_decode], workers[num_decode:num_decode + num_prefill]
     encode = workers[num_decode + num_prefill:]
     disagg = ["--disagg", "--prefill-ports", *map(str, prefill)] if prefill else []

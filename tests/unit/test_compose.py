@@ -379,7 +379,9 @@ def test_router_pools_point_at_the_worker_services() -> None:
             assert host in dns_names(name, services[name]) and int(port) == worker.port
             assert router.block_size == worker.engine_args.kv_block_size
         _, frontend = topology["frontend"]
-        host, _, port = frontend.router_address.rpartition(":")
+        # dns: every router container behind the name (`--scale router=2` adds a replica).
+        assert frontend.router_address.startswith("dns:")
+        host, _, port = frontend.router_address.removeprefix("dns:").rpartition(":")
         assert host in dns_names(topology["router"][0], services[topology["router"][0]])
         assert int(port) == router.port
 

@@ -229,12 +229,16 @@ def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> N
             assert router.block_size == worker.engine_args.kv_block_size
 
 
-def test_frontend_reaches_the_router_service(tmp_path: pathlib.Path) -> None:
+def test_frontend_reaches_every_router_replica(tmp_path: pathlib.Path) -> None:
+    """Two router replicas; the frontend expands a headless Service's DNS name to every ready
+    router pod (RouterClient's dns: addresses)."""
     stages = parsed(tmp_path)
     frontend, router = stages["frontend"][1], stages["router"][1]
-    host, _, port = frontend.router_address.rpartition(":")
+    assert stages["router"][0]["spec"]["replicas"] == 2
+    assert frontend.router_address.startswith("dns:")
+    host, _, port = frontend.router_address.removeprefix("dns:").rpartition(":")
     service = of_kind("Service")[host]
-    assert service["spec"].get("clusterIP") != "None"
+    assert service["spec"].get("clusterIP") == "None"
     assert selects(service["spec"]["selector"],
                    stages["router"][0]["spec"]["template"]["metadata"]["labels"])
     assert {p["port"] for p in service["spec"]["ports"]} >= {int(port)} and int(port) == router.port

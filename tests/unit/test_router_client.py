@@ -223,3 +223,19 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.01)
+
+
+async def test_a_dns_name_stands_for_every_replica_behind_it() -> None:
+    router = ObservedRouter()
+    service = await _serve_at(router)
+    port = service.address.rsplit(":", 1)[1]
+    client = RouterClient(f"dns:localhost:{port}", flush_ms=60_000)
+    client.start()
+    try:
+        for i in range(3):  # routed by the replica behind the name (an IPv6 twin may be down)
+            await client.route(f"d{i}", [1], 4, SlaHints())
+        assert router.in_flight("w0") == 3
+        assert f"127.0.0.1:{port}" in [r.address for r in client.replicas.all]
+    finally:
+        await client.close()
+        await service.shutdown()
