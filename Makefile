@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tandem-installed
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 NODE_CLIENT := tests/node/node_modules/.package-lock.json
 
-.PHONY: install up test lint test-unit bench clean
+.PHONY: install up test lint test-unit bench clean compose-test
 
 install: $(STAMP)
 
@@ -34,6 +34,13 @@ test: install $(NODE_CLIENT) lint
 lint: install
 	$(VENV)/bin/ruff check tandem services tests benchmarks
 	$(VENV)/bin/mypy tandem services
+
+# compose.yaml's cpu profile under podman, from an image built on a Debian base (mmdebstrap):
+# deploy/podman/setup.sh installs podman, runc and mmdebstrap through apt when missing.
+compose-test: install
+	bash deploy/podman/setup.sh
+	bash deploy/podman/build.sh
+	TANDEM_COMPOSE_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/compose $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

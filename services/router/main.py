@@ -92,7 +92,7 @@ class Readiness:
         if not self._ready and (self.membership.is_settled()
                                 or time.monotonic() >= self.deadline):
             self._ready = True
-            log.info("router ready: index rebuilt from the workers' event streams",
+            log.info("router ready: its prefix index holds every worker's replayed cache",
                      extra={"indexed_blocks": self.membership.router.index.num_blocks,
                             "workers": len(self.membership.watchers)})
         return self._ready
