@@ -102,29 +102,45 @@ def test_timing_formulas() -> None:
 
 
 def test_step_seconds_adds_prefill_and_decode_and_divides_by_speedup() -> None:
+    capacity = 1000
     both = timing.prefill_ms(500) + timing.decode_ms(0.25)
-    assert timing.step_seconds(500, True, 0.25, 1.0) == pytest.approx(both / 1000)
-    assert timing.step_seconds(500, True, 0.25, 10.0) == pytest.approx(both / 10_000)
-    assert timing.step_seconds(500, False, 0.25, 1.0) == pytest.approx(
+    assert timing.step_seconds(500, 250, capacity, 1.0) == pytest.approx(both / 1000)
+    assert timing.step_seconds(500, 250, capacity, 10.0) == pytest.approx(both / 10_000)
+    assert timing.step_seconds(500, None, capacity, 1.0) == pytest.approx(
         timing.prefill_ms(500) / 1000)
-    assert timing.step_seconds(0, True, 0.25, 2.0) == pytest.approx(timing.decode_ms(.25) / 2000)
+    assert timing.step_seconds(0, 250, capacity, 2.0) == pytest.approx(
+        timing.decode_ms(.25) / 2000)
+    assert timing.step_seconds(0, 5000, capacity, 1.0) == pytest.approx(  # u capped at 1
+        timing.decode_ms(1.0) / 1000)
     for no_delay in (0.0, 1e6, 1e9):
-        assert timing.step_seconds(500, True, 0.25, no_delay) == 0.0
+        assert timing.step_seconds(500, 250, capacity, no_delay) == 0.0
 
 
-async def test_engine_times_each_step_from_its_prefill_tokens_and_kv_usage(
-        make_engine, monkeypatch) -> None:
-    calls: list[tuple[int, bool, float]] = []
+def test_dynamo_161_figures_at_concurrency_1() -> None:
+    """Dynamo 1.6.1's own simulator (aisimulate-core 0.13.0, offline replay) gives TTFT
+    19.554948 ms and mean ITL 5.755450 ms for ISL/OSL 200/200 at defaults (16384 blocks of 64)."""
+    capacity = 16384 * 64
+    assert timing.step_seconds(200, None, capacity, 1.0) * 1000 == pytest.approx(19.554948)
+    itls = [timing.step_seconds(0, 200 + k, capacity, 1.0) * 1000 for k in range(1, 200)]
+    assert sum(itls) / len(itls) == pytest.approx(5.755450, abs=1e-6)
 
-    def record(prefill_tokens: int, emits: bool, usage: float, speedup: float) -> float:
-        calls.append((prefill_tokens, emits, usage))
+
+async def test_engine_times_each_step_as_dynamo_does(make_engine, monkeypatch) -> None:
+    calls: list[tuple[int, int | None, int]] = []
+
+    def record(prefill_tokens: int, decode_tokens: int | None, capacity: int,
+               speedup: float) -> float:
+        calls.append((prefill_tokens, decode_tokens, capacity))
         return 0.0
 
     monkeypatch.setattr(timing, "step_seconds", record)
     engine = await make_engine(num_gpu_blocks=100, max_num_tokens=64)
+    capacity = 100 * engine.pool.block_size
     await collect(engine.add_request(req("a", prompt(0, 100), max_tokens=3)))
-    # 100 prompt tokens in chunks of 64 + 36, then two decode steps; usage = 7 blocks of 100
-    assert calls == [(64, False, 0.04), (36, True, 0.07), (0, True, 0.07), (0, True, 0.07)]
+    # 100 prompt tokens in chunks of 64 + 36 (the first token comes out of the second chunk's
+    # pass, with no decode charge), then two decode passes over sequences of 101 and 102 tokens.
+    assert calls == [(64, None, capacity), (36, None, capacity), (0, 101, capacity),
+                     (0, 102, capacity)]
 
 
 # ---- validation ---------------------------------------------------------------------------

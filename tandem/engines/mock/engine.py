@@ -80,7 +80,12 @@ class MockEngine(BatchingEngine):
 
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         started = time.monotonic()
-        delay = timing.step_seconds(plan.prefill_tokens, bool(plan.ready), self.pool.usage,
+        # Decoding: one token computed for a request that already has output (a prefill that
+        # completes in the pass emits its first token without a decode charge, as in Dynamo).
+        decoding = [len(req.token_ids) for req, num in plan.scheduled
+                    if num == 1 and req.num_output > 0]
+        delay = timing.step_seconds(plan.prefill_tokens, sum(decoding) if decoding else None,
+                                    self.pool.total * self.pool.block_size,
                                     self.args.speedup_ratio)
         # As Dynamo's sleep_until_precise: the pass lasts `delay` from its start, bookkeeping
         # included; with no delay still yield so consumers and new requests get to run.

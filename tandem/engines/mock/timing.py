@@ -1,12 +1,25 @@
-"""The mock engine's timing model, Dynamo mocker's polynomial perf model.
+"""The mock engine's timing model: the polynomial perf model of Dynamo 1.6.1's mocker.
 
-Dynamo (lib/mocker, vLLM-style scheduler) times one engine pass as
-    prefill_ms(T) + decode_ms(u)
-where T is the number of uncached prompt tokens computed in the pass, summed over every request
-prefilling in it (0 ms when there are none), and decode_ms is charged once when at least one
-request emits a token at the end of the pass (requests finishing their prefill in the pass
-included); u is the share of KV blocks in use. Prefill is divided by the speedup ratio, decode by
-the speedup ratio too (Dynamo also multiplies in a decode-only ratio, 1 by default).
+Dynamo 1.6.1 runs its mocker on the aisimulate-core 0.13.0 crate (the path its `_core` extension
+was built from), driven in real time by `lib/mocker/src/generalized_live.rs`. One engine pass
+(`scheduler/vllm/core.rs`, `execute_pass_internal`) lasts
+
+    prefill_ms(T) + decode_ms(u)        (`engine/common/perf_model.rs`)
+
+- T: the new (uncached) prompt tokens the pass computes, summed over every request prefilling in
+  it (the square is of that batch total); 0 ms when none prefills. Chunked prefill charges each
+  chunk its own tokens.
+- decode_ms is charged only when some request in the pass decodes, i.e. emits a token after its
+  first: a request whose prefill completes in the pass emits its first token at the end of the
+  pass without a decode charge (at concurrency 1, TTFT is prefill_ms(ISL) alone).
+- u ("active_perc"): the tokens of the decoding requests' sequences (prompt plus output so far),
+  summed, over the pool's token capacity (blocks x block size), capped at 1.
+
+Both terms are divided by the speedup ratio (decode also by Dynamo's decode_speedup_ratio, 1 by
+default). The pass's sleep aims at a deadline from the pass's start (`sleep_until_precise`), so
+scheduling work inside the pass is absorbed. One difference is deliberate: Tandem's speedup
+ratio 0 means no delay at all (DESIGN), where Dynamo 1.6.1 takes 0 as "unscaled" (real time);
+`../shared/peers/side_by_side.py` passes Dynamo 1000 for Tandem's 0.
 """
 from __future__ import annotations
 
@@ -41,10 +54,19 @@ def is_no_delay(speedup_ratio: float) -> bool:
     return speedup_ratio <= 0 or speedup_ratio >= NO_DELAY_RATIO
 
 
-def step_seconds(prefill_tokens: int, emits_tokens: bool, utilization: float,
+def step_seconds(prefill_tokens: int, decode_tokens: int | None, capacity_tokens: int,
                  speedup_ratio: float) -> float:
-    """Wall time one pass should take: (prefill + decode) / speedup, 0 when there is no delay."""
+    """Wall time one pass should take: (prefill + decode) / speedup, 0 when there is no delay.
+
+    Args:
+        prefill_tokens: new prompt tokens computed in the pass (T).
+        decode_tokens: the sequence lengths of the requests decoding in the pass, summed; None
+            when none decodes (no decode charge).
+        capacity_tokens: the KV pool's capacity in tokens (u = decode_tokens / capacity).
+    """
     if is_no_delay(speedup_ratio):
         return 0.0
-    ms = prefill_ms(prefill_tokens) + (decode_ms(utilization) if emits_tokens else 0.0)
+    ms = prefill_ms(prefill_tokens)
+    if decode_tokens is not None:
+        ms += decode_ms(min(decode_tokens / capacity_tokens, 1.0) if capacity_tokens else 1.0)
     return ms / speedup_ratio / 1000.0
