@@ -86,6 +86,7 @@ class SteadyLoad:
         self.client, self.model = client, model
         self.asked = self.answered = 0
         self.failures: list[BaseException] = []
+        self._lock = threading.Lock()  # `+=` on a shared int is not atomic across threads
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pacer = threading.Thread(target=self._pace, daemon=True)
@@ -114,9 +115,11 @@ class SteadyLoad:
                 extra_body={"ignore_eos": True})
             tokens = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text)
             assert tokens >= 1
-            self.answered += 1
+            with self._lock:
+                self.answered += 1
         except BaseException as exc:  # counted and reported by the test
-            self.failures.append(exc)
+            with self._lock:
+                self.failures.append(exc)
 
 
 def test_killing_the_router_fails_no_request_and_kv_routing_resumes(topo: Topology) -> None:
