@@ -32,6 +32,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen3: per-head q/k RMSNorm, and a head_dim unlike hidden/heads, as in real Qwen3 models.
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": False,
                               "use_sliding_window": False}),
+    # Mixtral: every MLP sparse, 4 experts of width 128, top-2 renormalised; no window, as in
+    # Mixtral-8x7B.
+    "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "sliding_window": None}),
+    # Qwen3-MoE: q/k norm, 4 experts of width 48, top-2 renormalised as in Qwen3-30B-A3B; layer
+    # 1 dense (mlp_only_layers, width intermediate_size), so both layer kinds occur.
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                     "mlp_only_layers": [1], "use_sliding_window": False}),
 }
 #: Std of the random matrices; norm weights are 1 + N(0, 0.1^2), biases N(0, 0.1^2).
 WEIGHT_STD = 0.2
@@ -44,7 +53,8 @@ def write_tiny_model(path: str | pathlib.Path, family: str, seed: int = 0, *,
     """Write a tiny float32 `family` checkpoint (config, safetensors, tokenizer) into `path`.
 
     Args:
-        family: one of FAMILIES ("llama", "llama3", "mistral", "qwen2", "qwen3").
+        family: one of FAMILIES ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
+            "qwen3_moe").
         seed: decides every weight; the same seed gives the same tensors.
         tokenizer_dir: where tokenizer.json and tokenizer_config.json come from (and the special
             token ids, from its config.json); default: the demo model (built on first use).

@@ -74,9 +74,11 @@ class ReferenceEngine(BatchingEngine):
         #: since blocks hashed with them may hold KV computed without their embeddings. Bounded:
         #: the oldest are forgotten (a dict keeps insertion order).
         self._bad_images: dict[str, None] = {}
-        self.graphs = (None if device.type != "cuda" or args.enforce_eager else
-                       DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
-                                    -(-max_model_len // block_size)))
+        # MoE models decode eagerly: their experts loop reads per-expert token counts on the
+        # host (moe.run_experts), which a CUDA graph cannot capture.
+        self.graphs = (None if device.type != "cuda" or args.enforce_eager or model.spec.is_moe
+                       else DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
+                                         -(-max_model_len // block_size)))
         #: The host KV tier's memory (--kv-host-cache-bytes), None without one.
         host = self.pool.host
         self.host_kv = HostKvStore(kv_cache, host.total) if host is not None else None

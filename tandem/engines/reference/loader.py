@@ -35,13 +35,19 @@ _FUSED = {
 }
 # Buffers some older checkpoints saved; recomputed here, so skipped silently.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Mixtral's checkpoint names for its MoE block and expert projections -> the canonical
+# (Qwen3-MoE) ones; transformers 5 still saves these per-expert names.
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                  (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 class Target(NamedTuple):
-    """Where one checkpoint tensor goes: rows [start, start + rows) of parameter `name`."""
+    """Where one checkpoint tensor goes: rows [start, start + rows) of parameter `name`, or of
+    its slice `expert` when the parameter stacks experts."""
     name: str
     start: int
     rows: int
+    expert: int | None = None
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device: torch.device,
@@ -71,7 +77,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
                              param="dtype")
     spec = dataclasses.replace(spec, dtype=dtype)
     files: dict[pathlib.Path, list[str]] = {}
-    rename = _text_name if spec.wrapper else _same_name
+    rename: Callable[[str], str | None] = _text_name if spec.wrapper else _same_name
+    if spec.family == "mixtral":
+        rename = _then_mixtral_name(rename)
+    names: set[str | None] = set()
     if load_format != "dummy":
         files = checkpoint_index(root)
         names = {rename(name) for file_names in files.values() for name in file_names}
@@ -89,7 +98,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         init_dummy(model, seed)
     else:
         ignored = {"lm_head.weight"} if spec.tie_word_embeddings else set()  # tied: a copy
-        load_safetensors(model, _parameter_map(model), files, device, rename, ignored,
+        # transformers 5 keeps experts stacked in memory; a checkpoint saved that way holds
+        # `experts.gate_up_proj` itself, the usual one a tensor per expert and projection.
+        stacked = any(n is not None and n.endswith(".experts.gate_up_proj") for n in names)
+        load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
                          spec.architecture)
     return model, spec
 
@@ -152,6 +164,18 @@ def _same_name(name: str) -> str | None:
     return name
 
 
+def _then_mixtral_name(rename: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """`rename`, then Mixtral's MoE names (`block_sparse_moe`, `w1`/`w3`/`w2`) -> canonical."""
+    def mixtral_name(name: str) -> str | None:
+        result = rename(name)
+        if result is None:
+            return None
+        for old, new in _MIXTRAL_NAMES:
+            result = result.replace(old, new)
+        return result
+    return mixtral_name
+
+
 # A LLaVA checkpoint nests the language model: "language_model.model." (transformers 4.x and
 # the Hub's llava-hf checkpoints) or "model.language_model." (transformers 5 in memory).
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -190,8 +214,14 @@ def checkpoint_index(root: pathlib.Path) -> dict[pathlib.Path, list[str]]:
     return result
 
 
-def _parameter_map(model: DecoderModel) -> dict[str, Target]:
-    """Checkpoint tensor name -> target, for every tensor the model needs."""
+def _parameter_map(model: DecoderModel, stacked_experts: bool = False) -> dict[str, Target]:
+    """Checkpoint tensor name -> target, for every tensor the model needs.
+
+    Args:
+        stacked_experts: the checkpoint holds each MoE layer's experts as the stacked
+            `experts.gate_up_proj` / `experts.down_proj`; otherwise one tensor per expert and
+            projection (`experts.{e}.gate_proj.weight`, ...).
+    """
     spec = model.spec
     fused_rows = {"self_attn.qkv_proj": (spec.q_size, spec.kv_size, spec.kv_size),
                   "mlp.gate_up_proj": (spec.intermediate_size,) * 2}
@@ -199,6 +229,9 @@ def _parameter_map(model: DecoderModel) -> dict[str, Target]:
     result: dict[str, Target] = {}
     for name, param in params.items():
         hf_name = name if name == "lm_head.weight" else f"model.{name}"
+        if name.endswith(_EXPERT_STACKS) and not stacked_experts:
+            result.update(_expert_targets(name, hf_name, param.shape))
+            continue
         module, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
         fused = next((key for key in _FUSED if module.endswith("." + key)), None)
         if fused is None:
@@ -209,6 +242,25 @@ def _parameter_map(model: DecoderModel) -> dict[str, Target]:
         for part, rows in zip(_FUSED[fused], fused_rows[fused], strict=True):
             result[f"{prefix}{part}.{kind}"] = Target(name, start, rows)
             start += rows
+    return result
+
+
+# The MoE block's stacked parameters, [E, 2I, H] and [E, H, I] (moe.Experts).
+_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _expert_targets(name: str, hf_name: str, shape: torch.Size) -> dict[str, Target]:
+    """The per-expert checkpoint tensors of one stacked parameter: gate then up projection in
+    the rows of `gate_up_proj`, the down projection as the whole of `down_proj`'s slice."""
+    prefix = hf_name.rpartition(".")[0]  # "model.layers.{i}.mlp.experts"
+    num_experts, rows = shape[0], shape[1]
+    result = {}
+    for e in range(num_experts):
+        if name.endswith(".gate_up_proj"):
+            result[f"{prefix}.{e}.gate_proj.weight"] = Target(name, 0, rows // 2, e)
+            result[f"{prefix}.{e}.up_proj.weight"] = Target(name, rows // 2, rows // 2, e)
+        else:
+            result[f"{prefix}.{e}.down_proj.weight"] = Target(name, 0, rows, e)
     return result
 
 
@@ -247,7 +299,10 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if target is None:
                     continue
                 tensor = f.get_tensor(name)
-                dest = params[target.name][target.start: target.start + target.rows]
+                param: torch.Tensor = params[target.name]
+                if target.expert is not None:
+                    param = param[target.expert]
+                dest = param[target.start: target.start + target.rows]
                 if tensor.shape != dest.shape:
                     raise InvalidRequest(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "

@@ -1,8 +1,10 @@
-"""DecoderModel: one module covering the Llama, Mistral, Qwen2 and Qwen3 decoder families.
+"""DecoderModel: one module covering the Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE
+decoder families.
 
 The families differ only in switches that ModelSpec carries: q/k/v (and o) bias, per-head q/k
-RMSNorm, sliding windows, RoPE scaling, tied embeddings. Parameter names follow transformers
-minus the "model." prefix, except the fused `qkv_proj` and `gate_up_proj` (see loader.py).
+RMSNorm, sliding windows, RoPE scaling, tied embeddings, and which layers' MLPs are sparse
+mixtures of experts (moe.py). Parameter names follow transformers minus the "model." prefix,
+except the fused `qkv_proj` and `gate_up_proj` and the stacked experts (see loader.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tandem.engines.reference import kernels
 from tandem.engines.reference.attention import Attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import GatedMLP, RMSNorm
+from tandem.engines.reference.moe import SparseMoeBlock
 from tandem.engines.reference.rope import RotaryEmbedding
 from tandem.engines.reference.spec import ModelSpec
 
@@ -25,14 +28,19 @@ def _pow2_at_least_16(n: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or, where
+    `sparse`, a mixture of experts."""
 
-    def __init__(self, spec: ModelSpec, sliding_window: int | None) -> None:
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, sparse: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, sliding_window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.mlp: GatedMLP | SparseMoeBlock = (
+            SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                           spec.num_experts_per_tok, spec.norm_topk_prob,
+                           spec.router_weights_float32)
+            if sparse else GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -51,7 +59,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.sliding_windows)
+        sparse = spec.sparse_layers or (False,) * spec.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(spec, window, is_sparse)
+                                    for window, is_sparse in zip(spec.sliding_windows, sparse,
+                                                                 strict=True))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position_embeddings,
                                           spec.rope_theta, spec.rope_scaling)
@@ -107,7 +118,11 @@ class DecoderModel(nn.Module):
             post = layer.post_attention_layernorm
             normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps, residual)
             mlp = layer.mlp
-            out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj), mlp.down_proj)
+            if isinstance(mlp, GatedMLP):
+                out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj),
+                                            mlp.down_proj)
+            else:  # no Triton MoE kernel yet: the experts run through torch (moe.run_experts)
+                out = mlp(normed)
             normed, residual = kernels.add_rms_norm(out, next_norm.weight, next_norm.eps,
                                                     residual)
         return normed

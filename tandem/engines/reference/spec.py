@@ -26,7 +26,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+#: Families whose MLPs are (some or all) sparse mixtures of experts.
+MOE_FAMILIES = frozenset({"mixtral", "qwen3_moe"})
 
 #: The text_config model_type of a multimodal model -> the matching causal-LM architecture.
 _TEXT_MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
@@ -72,6 +76,24 @@ class ModelSpec:
     #: The multimodal model wrapping this language model ("LlavaForConditionalGeneration"),
     #: whose checkpoint nests the language model's tensors; None for a plain causal LM.
     wrapper: str | None = None
+    #: Experts per sparse MLP; 0 for a dense model.
+    num_experts: int = 0
+    #: Experts each token is routed to (top-k).
+    num_experts_per_tok: int = 0
+    #: Intermediate size of one expert (a dense layer of an MoE model uses `intermediate_size`).
+    moe_intermediate_size: int = 0
+    #: Whether the top-k routing probabilities are divided by their sum (always for Mixtral,
+    #: Qwen3-MoE's `norm_topk_prob`).
+    norm_topk_prob: bool = False
+    #: Whether expert outputs are weighted by the float32 routing weights (Mixtral) rather than
+    #: by weights cast to the model dtype first (Qwen3-MoE), as in transformers.
+    router_weights_float32: bool = False
+    #: Per layer: True where the MLP is a sparse MoE block; empty for a dense model.
+    sparse_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def family(self) -> str:
@@ -144,13 +166,45 @@ class ModelSpec:
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             dtype=_dtype(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos_ids(config.get("eos_token_id")),
             sliding_windows=_sliding_windows(config, family, num_layers),
+            **_moe_fields(config, family, num_layers),
         )
+
+
+def _moe_fields(config: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of ModelSpec, mirroring transformers: Mixtral is sparse on every layer and
+    always renormalises; Qwen3-MoE is sparse on layer i when i is not in `mlp_only_layers` and
+    (i + 1) is a multiple of `decoder_sparse_step`. transformers 5 saves the expert count as
+    `num_local_experts` for both; Qwen3-MoE checkpoints on the Hub call it `num_experts`."""
+    if family not in MOE_FAMILIES:
+        return {}
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if family == "mixtral":
+        sparse = (num_experts > 0,) * num_layers
+        expert_size = int(config["intermediate_size"])
+    else:
+        dense_only = set(config.get("mlp_only_layers") or ())
+        step = int(config.get("decoder_sparse_step") or 1)
+        sparse = tuple(num_experts > 0 and i not in dense_only and (i + 1) % step == 0
+                       for i in range(num_layers))
+        expert_size = int(config["moe_intermediate_size"])
+    top_k = int(config["num_experts_per_tok"])
+    if num_experts and not 0 < top_k <= num_experts:
+        raise InvalidRequest(f"num_experts_per_tok={top_k} is outside 1..{num_experts} "
+                             "experts", param="model")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": family == "mixtral" or bool(config.get("norm_topk_prob", False)),
+        "router_weights_float32": family == "mixtral",
+        "sparse_layers": sparse,
+    }
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -201,11 +255,15 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _sliding_windows(config: Mapping[str, Any], family: str,
                      num_layers: int) -> tuple[int | None, ...]:
-    """Mirror transformers: Mistral slides on every layer when `sliding_window` is set; Qwen2/3
-    only with `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks."""
+    """Mirror transformers: Mistral and Mixtral slide on every layer when `sliding_window` is
+    set; Qwen3-MoE on every layer with `use_sliding_window`; Qwen2/3 only with
+    `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks."""
     window = config.get("sliding_window")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return (int(window) if window else None,) * num_layers
+    if family == "qwen3_moe":
+        slides = config.get("use_sliding_window")
+        return (int(window) if slides and window else None,) * num_layers
     if family in ("qwen2", "qwen3") and config.get("use_sliding_window") and window:
         layer_types = config.get("layer_types")
         if layer_types is None:
