@@ -280,7 +280,10 @@ def test_gpu_workers_run_trtllm_on_one_reserved_gpu() -> None:
         dockerfile = dockerfile_of(service).read_text()
         if profile_of(service) == "cpu":
             assert devices == []
-            assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
+            # The base is a build argument (deploy/podman/build.sh passes a Debian one); its
+            # default stays the slim Python image.
+            assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+            assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
             if stage in WORKER_STAGES:
                 assert (config.engine, config.engine_args.device) == ("reference", "cpu")
                 assert config.engine_args.model == "", "the cpu profile serves the demo model"
@@ -307,8 +310,11 @@ def test_gpu_workers_run_trtllm_on_one_reserved_gpu() -> None:
 def test_cpu_image_installs_torch_from_the_cpu_index() -> None:
     dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile.cpu").read_text()
     assert "ARG TORCH_VERSION=2.13.0" in dockerfile
-    assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url '
-                     r"https://download\.pytorch\.org/whl/cpu", dockerfile)
+    # The index is a build argument whose default is PyTorch's CPU index (empty: pip's own
+    # configuration, e.g. a local wheel directory).
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" '
+                     r'\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\}', dockerfile)
     assert "tandem demo-model" in dockerfile
 
 
