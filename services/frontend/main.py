@@ -15,6 +15,7 @@ from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
 from services.frontend.supervisor import supervise
 from services.frontend.video_routes import VideoRoutes
+from tandem.engines.guided.grammar import MAX_JSON_WHITESPACE
 from tandem.errors import InvalidRequest
 from tandem.frontend.admission import Admission
 from tandem.frontend.auth import ApiKeys
@@ -85,6 +86,11 @@ class FrontendConfig:
     #: Parser that splits reasoning off into reasoning_content: deepseek_r1 (DeepSeek-R1, Qwen3
     #: Thinking-2507), qwen3 (Qwen3 with enable_thinking) or gpt_oss; "": none.
     reasoning_parser: str = ""
+    #: Whitespace characters structured outputs may put between two tokens of their JSON
+    #: (json_schema, json_object, a forced tool call's arguments), at most 64; 0: compact JSON
+    #: (", " and ": ", no newlines), as OpenAI's structured outputs come. A model free to
+    #: choose whitespace may spend its whole max_tokens on newlines between keys.
+    json_whitespace: int = 0
     # == routing ==
     #: The router replicas' gRPC addresses, host:port, comma-separated. Route calls are spread
     #: over every replica that is up and fail over between them; while none answers, the
@@ -185,6 +191,9 @@ def output_parsers(config: FrontendConfig, tokenizer: Tokenizer) -> OutputParser
 
 def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     """Call on the event loop (the media fetcher's HTTP session belongs to it)."""
+    if not 0 <= config.json_whitespace <= MAX_JSON_WHITESPACE:
+        raise InvalidRequest(f"--json-whitespace must be 0 to {MAX_JSON_WHITESPACE}, got "
+                             f"{config.json_whitespace}", param="json_whitespace")
     model_dir = pathlib.Path(config.model) if config.model else ensure_demo_model()
     model_config = ModelConfig.from_dir(model_dir)
     model = ModelInfo(config.served_model_name or model_dir.name,
@@ -214,7 +223,8 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
                         max_messages=config.max_messages,
                         admission=Admission(config.max_inflight_requests,
                                             config.max_queued_requests),
-                        parsers=output_parsers(config, tokenizer))
+                        parsers=output_parsers(config, tokenizer),
+                        json_whitespace=config.json_whitespace)
     return frontend, clients
 
 

@@ -33,11 +33,15 @@ class GuidedDecoding:
     #: Trailing prompt tokens that are output already generated under this constraint (a
     #: migrated request); the engine advances the grammar over them first.
     num_output_tokens_in_prompt: int = 0
+    #: JSON_SCHEMA and JSON_OBJECT: most whitespace characters allowed between two tokens of
+    #: the JSON text. 0 (the default): compact JSON, one space after ':' and ',' and no other
+    #: whitespace, so a weak model cannot spend its max_tokens on newlines between keys.
+    json_whitespace: int = 0
 
     @property
-    def grammar_key(self) -> tuple[GuidedKind, str, tuple[str, ...]]:
+    def grammar_key(self) -> tuple[GuidedKind, str, tuple[str, ...], int]:
         """What the compiled grammar depends on (not the per-request token count)."""
-        return (self.kind, self.spec, self.choices)
+        return (self.kind, self.spec, self.choices, self.json_whitespace)
 
 
 @dataclass(frozen=True, slots=True)

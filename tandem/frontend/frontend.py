@@ -5,13 +5,14 @@ request pipeline."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from tandem.engines.types import Embedding
+from tandem.engines.types import Embedding, GuidedKind
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.admission import Admission
 from tandem.frontend.chat_output import ChatOutput
@@ -25,6 +26,9 @@ from tandem.multimodal.placeholders import ImagePlaceholders
 from tandem.multimodal.prompt import build_prompt
 from tandem.routing.workers import SlaHints
 from tandem.runtime import tracing
+
+#: Constraints whose JSON text --json-whitespace loosens.
+_JSON_KINDS = (GuidedKind.JSON_SCHEMA, GuidedKind.JSON_OBJECT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +53,7 @@ class Frontend:
                  request_timeout_s: float | None = None,
                  images: ImageSupport | None = None, max_messages: int = 1000,
                  admission: Admission | None = None,
-                 parsers: OutputParsers | None = None) -> None:
+                 parsers: OutputParsers | None = None, json_whitespace: int = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -63,6 +67,9 @@ class Frontend:
         self.max_messages = max_messages
         #: --tool-call-parser and --reasoning-parser; none by default.
         self.parsers = parsers or OutputParsers(special_texts=tokenizer.special_texts)
+        #: --json-whitespace: whitespace characters a JSON constraint (json_schema, json_object,
+        #: a forced tool call's arguments) allows between two tokens; 0: compact JSON.
+        self.json_whitespace = json_whitespace
 
     def chat_output(self, parsed: ParsedRequest) -> ChatOutput:
         """The splitter of `parsed`'s answer into reasoning, content and tool calls."""
@@ -166,10 +173,15 @@ class Frontend:
                 f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this model's "
                 f"context of {limit} tokens", param="max_tokens")
         limits = [t for t in (timeout_s, self.request_timeout_s) if t is not None]
+        sampling = parsed.sampling(max_tokens)
+        guided = sampling.guided
+        if guided is not None and guided.kind in _JSON_KINDS and self.json_whitespace:
+            sampling = dataclasses.replace(sampling, guided=dataclasses.replace(
+                guided, json_whitespace=self.json_whitespace))
         return GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt,
-            sampling=parsed.sampling(max_tokens),
+            sampling=sampling,
             stop=parsed.stop,
             skip_special_tokens=self.parsers.skip_special_tokens(parsed),
             sla=SlaHints(parsed.ttft_target_ms, parsed.itl_target_ms, priority),

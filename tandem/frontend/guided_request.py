@@ -8,7 +8,8 @@ Accepted, at most one per request (two are a 400 naming both):
   - NVIDIA Dynamo's copies of those in `nvext` (`nvext.guided_json`, ...: lib/llm/src/
     protocols/openai/nvext.rs). Dynamo's `nvext.guided_decoding_backend` and
     `guided_whitespace_pattern` are accepted and ignored, like vLLM's top-level ones: every
-    engine here enforces with xgrammar and its own whitespace rule.
+    engine here enforces with xgrammar, and the frontend's --json-whitespace decides the
+    whitespace of JSON output (compact by default: tandem.engines.guided.grammar).
 
 Every constraint is parsed into a grammar here (tandem.engines.guided.grammar.check, cached), so
 that an invalid schema, pattern or grammar is a 400 naming its field and never reaches a worker.

@@ -68,6 +68,9 @@ class Deployment:
     #: Frontend: parser that splits reasoning into reasoning_content (deepseek_r1, qwen3,
     #: gpt_oss); "": none.
     reasoning_parser: str = ""
+    #: Frontend: whitespace characters structured outputs may put between two JSON tokens
+    #: (0: compact JSON; at most 64).
+    json_whitespace: int = 0
     # == routing ==
     #: The router's policy for the decode pool: round_robin, random, least_loaded,
     #: power_of_two or kv.
@@ -278,6 +281,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         frontend_flags += ["--tool-call-parser", d.tool_call_parser]
     if d.reasoning_parser:
         frontend_flags += ["--reasoning-parser", d.reasoning_parser]
+    if d.json_whitespace:
+        frontend_flags += ["--json-whitespace", str(d.json_whitespace)]
     if d.api_keys:
         frontend_flags += ["--api-keys", *d.api_keys]
     if d.api_keys_file:

@@ -3,6 +3,7 @@ never sees protobuf."""
 from __future__ import annotations
 
 from tandem.engines import types as t
+from tandem.engines.guided.grammar import MAX_JSON_WHITESPACE
 from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2 as pb
 from tandem.v1 import kv_events_pb2 as ev_pb
@@ -63,11 +64,17 @@ def guided_from_pb(msg: pb.GuidedDecoding) -> t.GuidedDecoding:
         spec = getattr(msg, which)
         if not spec:
             raise InvalidRequest(f"guided_decoding.{which} must not be empty", param=param)
-    return t.GuidedDecoding(kind, spec, choices, msg.num_output_tokens_in_prompt)
+    if msg.json_whitespace > MAX_JSON_WHITESPACE:
+        raise InvalidRequest(f"guided_decoding.json_whitespace must be at most "
+                             f"{MAX_JSON_WHITESPACE}, got {msg.json_whitespace}",
+                             param="guided_decoding.json_whitespace")
+    return t.GuidedDecoding(kind, spec, choices, msg.num_output_tokens_in_prompt,
+                            msg.json_whitespace)
 
 
 def guided_to_pb(guided: t.GuidedDecoding) -> pb.GuidedDecoding:
-    msg = pb.GuidedDecoding(num_output_tokens_in_prompt=guided.num_output_tokens_in_prompt)
+    msg = pb.GuidedDecoding(num_output_tokens_in_prompt=guided.num_output_tokens_in_prompt,
+                            json_whitespace=guided.json_whitespace)
     kind = guided.kind
     if kind is t.GuidedKind.CHOICE:
         msg.choice.choices.extend(guided.choices)

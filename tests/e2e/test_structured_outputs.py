@@ -71,6 +71,24 @@ def test_json_schema_answers_parse_and_validate(client: openai.OpenAI, name: str
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
+def test_a_small_object_with_bounded_strings_finishes_within_64_tokens(
+        client: openai.OpenAI) -> None:
+    # Compact JSON by default (--json-whitespace 0): a random model cannot spend max_tokens on
+    # newlines between keys, nor on digits (numbers end within an int64's digits).
+    small = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                              "age": {"type": "integer"}},
+             "required": ["name", "age"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "small", "schema": small}}
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=64, seed=seed,
+            response_format=response_format)  # type: ignore[call-overload]
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert reply.usage is not None and reply.usage.completion_tokens <= 64
+        jsonschema.validate(json.loads(choice.message.content or ""), small)
+
+
 def test_a_streamed_json_schema_answer_validates(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=MAX_TOKENS,

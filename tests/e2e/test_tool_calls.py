@@ -78,6 +78,21 @@ def test_named_choice_gives_one_schema_valid_call(client: openai.OpenAI, topo: T
         assert_valid([(c.function.name, c.function.arguments) for c in calls])
 
 
+def test_a_named_call_with_a_short_string_finishes_within_64_tokens(client: openai.OpenAI,
+                                                                   topo: Topology) -> None:
+    # Arguments come as compact JSON (--json-whitespace 0), so a random model cannot spend its
+    # tokens on whitespace between keys; sampled at temperature 1, as a new user would ask.
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model=topo.model, messages=MESSAGES, max_tokens=64, seed=seed, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert reply.usage is not None and reply.usage.completion_tokens <= 64
+        assert_valid([(c.function.name, c.function.arguments)
+                      for c in choice.message.tool_calls or []])
+
+
 def test_required_choice_gives_valid_calls(client: openai.OpenAI, topo: Topology) -> None:
     finished = 0
     for seed in range(3):

@@ -141,6 +141,48 @@ async def test_json_strings_never_hold_raw_control_characters(model_dir: pathlib
     assert "\\x1f" in str(to_grammar(schema({"type": "string", "minLength": 2})))
 
 
+def allowed(guide: object, token: int, vocab_size: int = 4096) -> bool:
+    bitmask = fill_bitmask([guide], vocab_size)  # type: ignore[list-item]
+    assert bitmask is not None
+    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
+@pytest.mark.parametrize("kind", ["schema", "object"])
+def test_json_is_compact_unless_whitespace_is_allowed(model_dir: pathlib.Path, kind: str) -> None:
+    # A model free to choose whitespace may spend its max_tokens on newlines between keys:
+    # by default nothing but ": " and ", " separates JSON tokens; json_whitespace=n allows up
+    # to n whitespace characters between two tokens, and no more.
+    grammars = Grammars.from_model_dir(model_dir, 4096, [1, 3])
+    vocab = grammars.decoded_vocab
+    brace, newline, space = (vocab.index(t) for t in (b"{", b"\n", b" "))
+    guided = (schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+              if kind == "schema" else GuidedDecoding(GuidedKind.JSON_OBJECT))
+    compact = grammars.guide(guided, [])
+    assert compact.accept(brace)
+    assert not allowed(compact, newline) and not allowed(compact, space)
+    loose = grammars.guide(dataclasses.replace(guided, json_whitespace=3), [])
+    assert loose.accept(brace) and allowed(loose, newline)
+    for _ in range(3):
+        assert loose.accept(space)
+    assert not allowed(loose, space) and not allowed(loose, newline)
+
+
+def test_json_numbers_end_within_int64_digits(model_dir: pathlib.Path) -> None:
+    # xgrammar allows any count of digits; a model that keeps choosing them must still end.
+    grammars = Grammars.from_model_dir(model_dir, 4096, [1, 3])
+    one, zero = (grammars.decoded_vocab.index(t) for t in (b"1", b"0"))
+    guide = grammars.guide(schema({"type": "integer"}), [])
+    assert guide.accept(one)
+    for _ in range(18):
+        assert guide.accept(zero)
+    assert not allowed(guide, zero)
+    fraction = grammars.guide(schema({"type": "number"}), [])
+    assert fraction.accept(zero) and fraction.accept(grammars.decoded_vocab.index(b"."))
+    for _ in range(18):
+        assert fraction.accept(one)
+    assert not allowed(fraction, one)
+
+
 def test_compiled_grammars_are_cached_by_constraint(model_dir: pathlib.Path) -> None:
     grammars = Grammars.from_model_dir(model_dir, 4096, [1])
     grammars._cache_size = 2

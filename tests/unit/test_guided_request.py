@@ -103,6 +103,7 @@ def test_bad_constraints_are_refused_naming_the_field(fields: dict[str, object],
 @pytest.mark.parametrize("value", [
     GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA), num_output_tokens_in_prompt=7),
     GuidedDecoding(GuidedKind.JSON_OBJECT),
+    GuidedDecoding(GuidedKind.JSON_OBJECT, json_whitespace=8),
     GuidedDecoding(GuidedKind.REGEX, "[a-z]+"),
     GuidedDecoding(GuidedKind.CHOICE, choices=("a", "b\"c")),
     GuidedDecoding(GuidedKind.GRAMMAR, 'root ::= "x"', num_output_tokens_in_prompt=1),
@@ -115,6 +116,29 @@ def test_the_constraint_survives_the_wire(value: GuidedDecoding) -> None:
         convert.sampling_to_pb(params).SerializeToString())
     assert convert.sampling_from_pb(wire, 16) == params
     assert convert.sampling_from_pb(common_pb2.SamplingParams(), 16).guided is None
+
+
+async def test_json_whitespace_is_the_frontends_choice_for_json_constraints() -> None:
+    from typing import cast
+
+    from tandem.frontend.frontend import Frontend, ModelInfo
+    from tandem.frontend.pipeline import Pipeline
+    from tandem.frontend.tokenizer import Tokenizer
+    from tandem.model.demo import ensure_demo_model
+
+    tokenizer = Tokenizer.from_dir(ensure_demo_model())
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    for json_whitespace in (0, 4):
+        frontend = Frontend(ModelInfo("demo", 4096), tokenizer, cast(Pipeline, None),
+                            json_whitespace=json_whitespace)
+        for extra, expected in (({"response_format": {"type": "json_object"}}, json_whitespace),
+                                ({"guided_regex": "[a-z]+"}, 0)):
+            prepared = await frontend.prepare(parse_request({**chat, **extra}, "chat"))
+            assert prepared.sampling.guided is not None
+            assert prepared.sampling.guided.json_whitespace == expected
+    with pytest.raises(InvalidRequest) as info:
+        convert.guided_from_pb(common_pb2.GuidedDecoding(json_object=True, json_whitespace=65))
+    assert info.value.param == "guided_decoding.json_whitespace"
 
 
 @pytest.mark.parametrize("msg", [common_pb2.GuidedDecoding(),

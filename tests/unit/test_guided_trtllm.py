@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tandem.engines.args import EngineArgs
+from tandem.engines.guided.grammar import to_grammar
 from tandem.engines.trtllm.args import from_flags
 from tandem.engines.trtllm.sampling import guided_kwargs
 from tandem.engines.types import EngineRequest, FinishReason, GuidedDecoding, GuidedKind
@@ -31,8 +32,12 @@ def fake_trtllm() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("guided, expected", [
-    (GuidedDecoding(GuidedKind.JSON_SCHEMA, '{"type": "object"}'), {"json": '{"type": "object"}'}),
-    (GuidedDecoding(GuidedKind.JSON_OBJECT), {"json_object": True}),
+    # JSON goes as the grammar the other engines compile: upstream's `json` and `json_object`
+    # would allow unbounded whitespace (GuidedDecoding.json_whitespace).
+    (GuidedDecoding(GuidedKind.JSON_SCHEMA, '{"type": "object"}'),
+     {"grammar": str(to_grammar(GuidedDecoding(GuidedKind.JSON_SCHEMA, '{"type": "object"}')))}),
+    (GuidedDecoding(GuidedKind.JSON_OBJECT, json_whitespace=2),
+     {"grammar": str(to_grammar(GuidedDecoding(GuidedKind.JSON_OBJECT, json_whitespace=2)))}),
     (GuidedDecoding(GuidedKind.REGEX, "a+"), {"regex": "a+"}),
     (GuidedDecoding(GuidedKind.GRAMMAR, 'root ::= "a"'), {"grammar": 'root ::= "a"'}),
     (GuidedDecoding(GuidedKind.CHOICE, choices=("a", 'b"')), {"grammar": 'root ::= "a" | "b\\""'}),

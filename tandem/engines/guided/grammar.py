@@ -18,13 +18,16 @@ from tandem.errors import InvalidRequest
 CHECK_CACHE_SIZE = 1024
 #: Where xgrammar's C++ layer prefixes its messages ("[12:00:00] /path/file.cc:42: ").
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-#: Most whitespace characters a JSON constraint allows between two tokens of the JSON text:
-#: room for any pretty-printing, but a model that keeps choosing whitespace (a known failure
-#: of unbounded JSON grammars) cannot spend its whole max_tokens on it.
-MAX_WHITESPACE = 32
+#: Most whitespace characters a JSON constraint may allow between two tokens of the JSON text
+#: (GuidedDecoding.json_whitespace): room for pretty-printing, but a model that keeps choosing
+#: whitespace (a known failure of unbounded JSON grammars) cannot spend its max_tokens on it.
+MAX_JSON_WHITESPACE = 64
 #: How xgrammar prints the characters of a length-bounded JSON string, and what they must be.
 _LOOSE_CHAR = r'[^\"\\\r\n]'
 _STRICT_CHAR = r'[^\0-\x1f\"\\]'
+#: How xgrammar prints a JSON number's unbounded digit runs, and their bounds (_json_grammar).
+_BOUNDED_DIGITS = (("[1-9] [0-9]*", "[1-9] [0-9]{0, 18}"),
+                   ("basic_number_digits{1, -1}", "basic_number_digits{1, 18}"))
 #: OpenAI's response_format {"type": "json_object"}: any object.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -49,8 +52,10 @@ def to_grammar(guided: GuidedDecoding) -> Any:
     """The xgrammar.Grammar of a constraint.
 
     JSON schemas use xgrammar's strict mode (no property or item the schema does not name, as
-    vLLM) and allow any whitespace between tokens, up to MAX_WHITESPACE characters (the model
-    picks its formatting).
+    vLLM). Their whitespace is the constraint's json_whitespace: 0 is compact JSON (xgrammar's
+    any_whitespace=False: ", " and ": " between tokens, nothing else, as vLLM's
+    --disable-any-whitespace); n > 0 lets the model put up to n whitespace characters between
+    any two tokens.
 
     Raises:
         GrammarError: the schema, pattern or grammar is invalid or unsupported.
@@ -59,9 +64,9 @@ def to_grammar(guided: GuidedDecoding) -> Any:
     kind = guided.kind
     try:
         if kind is GuidedKind.JSON_SCHEMA:
-            return _json_grammar(xgr, guided.spec)
+            return _json_grammar(xgr, guided.spec, guided.json_whitespace)
         if kind is GuidedKind.JSON_OBJECT:
-            return _json_grammar(xgr, _JSON_OBJECT_SCHEMA)
+            return _json_grammar(xgr, _JSON_OBJECT_SCHEMA, guided.json_whitespace)
         if kind is GuidedKind.REGEX:
             return xgr.Grammar.from_regex(guided.spec)
         if kind is GuidedKind.CHOICE:
@@ -71,16 +76,25 @@ def to_grammar(guided: GuidedDecoding) -> Any:
         raise GrammarError(clean_message(exc)) from None
 
 
-def _json_grammar(xgr: Any, schema: str) -> Any:
-    """A JSON schema's grammar, with xgrammar's length-bounded strings (minLength, maxLength)
-    kept to valid JSON: xgrammar (0.2.x) writes their characters as _LOOSE_CHAR, which lets
-    raw control characters (a tab, U+0017) into a string, where RFC 8259 (and Python's json)
-    forbids them. Rewritten to _STRICT_CHAR, as xgrammar's own unbounded strings have it."""
-    grammar = xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
-    text = str(grammar)
-    if _LOOSE_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHAR, _STRICT_CHAR))
+def _json_grammar(xgr: Any, schema: str, whitespace: int) -> Any:
+    """A JSON schema's grammar, with two rewrites of the EBNF xgrammar (0.2.x) prints:
+
+    - its length-bounded strings (minLength, maxLength) kept to valid JSON: xgrammar writes
+      their characters as _LOOSE_CHAR, which lets raw control characters (a tab, U+0017) into
+      a string, where RFC 8259 (and Python's json) forbids them. Rewritten to _STRICT_CHAR, as
+      xgrammar's own unbounded strings have it;
+    - numbers bounded (_BOUNDED_DIGITS): at most 19 digits before the point (an int64's) and
+      18 after it or in the exponent, where xgrammar allows any count, so that a model that
+      keeps choosing digits ends its number (a weak model would spend max_tokens on one).
+    """
+    if whitespace > 0:
+        grammar = xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=whitespace)
+    else:
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = original = str(grammar)
+    for loose, bounded in ((_LOOSE_CHAR, _STRICT_CHAR), *_BOUNDED_DIGITS):
+        text = text.replace(loose, bounded)
+    return grammar if text == original else xgr.Grammar.from_ebnf(text)
 
 
 def clean_message(exc: BaseException) -> str:
@@ -90,9 +104,9 @@ def clean_message(exc: BaseException) -> str:
 
 
 @functools.lru_cache(maxsize=CHECK_CACHE_SIZE)
-def _check(key: tuple[GuidedKind, str, tuple[str, ...]]) -> None:
-    kind, spec, choices = key
-    to_grammar(GuidedDecoding(kind, spec, choices))
+def _check(key: tuple[GuidedKind, str, tuple[str, ...], int]) -> None:
+    kind, spec, choices, whitespace = key
+    to_grammar(GuidedDecoding(kind, spec, choices, json_whitespace=whitespace))
 
 
 def check(guided: GuidedDecoding, param: str) -> None:

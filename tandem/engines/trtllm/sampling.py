@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.engines.guided.grammar import choice_ebnf
+from tandem.engines.guided.grammar import choice_ebnf, to_grammar
 from tandem.engines.types import (
     FinishReason,
     GuidedDecoding,
@@ -75,14 +75,15 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int]) -> dict[str,
 
 
 def guided_kwargs(guided: GuidedDecoding) -> dict[str, Any]:
-    """Keyword arguments of TensorRT-LLM's GuidedDecodingParams for a constraint. A JSON schema
-    goes as its text (upstream's `json` takes str, dict or a pydantic model); a choice list,
-    which upstream has no field for, as the EBNF grammar the other engines compile it to."""
+    """Keyword arguments of TensorRT-LLM's GuidedDecodingParams for a constraint.
+
+    JSON schemas and JSON objects go as the EBNF grammar the other engines compile them to:
+    upstream compiles its `json` and `json_object` with xgrammar's unbounded whitespace, which
+    would ignore the constraint's json_whitespace. A choice list, which upstream has no field
+    for, goes as its EBNF grammar too."""
     kind = guided.kind
-    if kind is GuidedKind.JSON_SCHEMA:
-        return {"json": guided.spec}
-    if kind is GuidedKind.JSON_OBJECT:
-        return {"json_object": True}
+    if kind in (GuidedKind.JSON_SCHEMA, GuidedKind.JSON_OBJECT):
+        return {"grammar": str(to_grammar(guided))}
     if kind is GuidedKind.REGEX:
         return {"regex": guided.spec}
     if kind is GuidedKind.CHOICE:
