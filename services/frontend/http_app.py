@@ -16,11 +16,11 @@ from tandem.errors import TandemError, Unauthenticated, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.errors import http_error
-from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
 from tandem.frontend.openai_request import Kind, parse_request
 from tandem.frontend.openai_stream import OpenAIResponder
 from tandem.frontend.pipeline import Delta
+from tandem.frontend.served_models import ServedModels
 from tandem.runtime import logs, tracing
 from tandem.runtime.server import Draining
 
@@ -48,10 +48,11 @@ def _sse(event: dict) -> bytes:
 
 
 class OpenAIRoutes:
-    def __init__(self, frontend: Frontend, draining: Draining) -> None:
-        self.frontend = frontend
+    def __init__(self, models: ServedModels, draining: Draining) -> None:
+        self.served = models
         self.draining = draining
-        self.metrics = frontend.pipeline.metrics
+        #: The process's metrics (one registry for every model), labelled with the first.
+        self.metrics = models.default.pipeline.metrics
         #: Further /v1/models entries (the video model, with its "kind").
         self.extra_models: list[dict[str, object]] = []
 
@@ -107,7 +108,9 @@ class OpenAIRoutes:
                 raise Unavailable("the frontend is draining")
             body = json_body.loads(await request.read())
             parsed = parse_request(body, kind, request.headers)
-            gen = await self.frontend.prepare(parsed, parsed.timeout_s)
+            frontend = self.served.get(parsed.model)
+            tracker.relabel(frontend.pipeline.metrics)
+            gen = await frontend.prepare(parsed, parsed.timeout_s)
         except web.HTTPException:
             raise  # e.g. 413 from request.read(): json_errors gives it the OpenAI shape
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
@@ -116,9 +119,9 @@ class OpenAIRoutes:
         client_id = request.headers.get("x-request-id")
         if client_id:
             log.info("request", extra={"client_request_id": client_id})
-        responder = OpenAIResponder(parsed, self.frontend.model.name, self.frontend.token_text,
-                                    lambda: self.frontend.chat_output(parsed))
-        deltas = self.frontend.generate_choices(gen, parsed.num_generated)
+        responder = OpenAIResponder(parsed, frontend.model.name, frontend.token_text,
+                                    lambda: frontend.chat_output(parsed))
+        deltas = frontend.generate_choices(gen, parsed.num_generated)
         try:
             if parsed.stream:
                 return await self._stream(request, responder, deltas, tracker)
@@ -158,11 +161,11 @@ class OpenAIRoutes:
             if events:
                 await response.write(b"".join(_sse(e) for e in events))
             if first.received_ns:
-                self.metrics.observe_sse_hop(first.received_ns)
+                tracker.metrics.observe_sse_hop(first.received_ns)
             async for delta in deltas:
                 await response.write(b"".join(_sse(e) for e in responder.delta_events(delta)))
                 if delta.received_ns:
-                    self.metrics.observe_sse_hop(delta.received_ns)
+                    tracker.metrics.observe_sse_hop(delta.received_ns)
         except TandemError as exc:
             status, body = http_error(exc)
             log.warning("stream failed after it started", extra={"status": status})
@@ -173,15 +176,16 @@ class OpenAIRoutes:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        model = self.frontend.model
-        return web.json_response({"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": 0, "owned_by": "tandem",
-            "max_model_len": model.max_model_len}, *self.extra_models]})
+        return web.json_response({"object": "list", "data": [
+            *({"id": f.model.name, "object": "model", "created": 0, "owned_by": "tandem",
+               "max_model_len": f.model.max_model_len} for f in self.served),
+            *self.extra_models]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining.active:
             return web.json_response({"status": "draining"}, status=503)
-        return web.json_response({"status": "healthy", "model": self.frontend.model.name})
+        return web.json_response({"status": "healthy", "model": self.served.default.model.name,
+                                  "models": [f.model.name for f in self.served]})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)

@@ -15,11 +15,11 @@ from tandem.frontend.auth import ApiKeys
 from tandem.frontend.chat_output import ChatOutput
 from tandem.frontend.choices import total_usage
 from tandem.frontend.errors import http_error
-from tandem.frontend.frontend import Frontend
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
 from tandem.frontend.openai_request import parse_request
 from tandem.frontend.parsers import ToolCallStart
 from tandem.frontend.pipeline import Delta
+from tandem.frontend.served_models import ServedModels
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
 from tandem.v1 import common_pb2, inference_pb2_grpc
@@ -28,9 +28,9 @@ from tandem.v1 import inference_pb2 as pb
 __all__ = ["InferenceServicer", "openai_body"]
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, frontend: Frontend, draining: Draining,
+    def __init__(self, models: ServedModels, draining: Draining,
                  api_keys: ApiKeys | None = None) -> None:
-        self.frontend = frontend
+        self.models = models
         self.draining = draining
         self.api_keys = api_keys or ApiKeys(())
 
@@ -41,7 +41,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.InferenceRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[pb.InferenceChunk, None]:
-        tracker = self.frontend.pipeline.metrics.track("grpc_generate")
+        tracker = self.models.default.pipeline.metrics.track("grpc_generate")
         status = CLIENT_CLOSED  # until it ends otherwise
         usage: dict[int, Usage] = {}  # of each answer that finished
         try:
@@ -64,11 +64,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise Unavailable("the frontend is draining")
         body, kind = openai_body(request)
         parsed = parse_request(body, kind)
+        frontend = self.models.get(parsed.model)
+        tracker.relabel(frontend.pipeline.metrics)
         priority = request.priority if request.HasField("priority") else None
-        gen = await self.frontend.prepare(parsed, context.time_remaining(), priority)
+        gen = await frontend.prepare(parsed, context.time_remaining(), priority)
         echo_id = request.request_id or gen.request_id
-        outputs = [self.frontend.chat_output(parsed) for _ in range(parsed.num_generated)]
-        deltas = self.frontend.generate_choices(gen, parsed.num_generated)
+        outputs = [frontend.chat_output(parsed) for _ in range(parsed.num_generated)]
+        deltas = frontend.generate_choices(gen, parsed.num_generated)
         sent_metadata = False
         try:
             async for delta in deltas:
@@ -85,9 +87,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         self._authenticate(context)
-        model = self.frontend.model
-        return pb.ListModelsResponse(models=[pb.ModelCard(id=model.name,
-                                                          max_model_len=model.max_model_len)])
+        return pb.ListModelsResponse(models=[
+            pb.ModelCard(id=f.model.name, max_model_len=f.model.max_model_len)
+            for f in self.models])
 
 
 def _chunk(request_id: str, delta: Delta, output: ChatOutput) -> pb.InferenceChunk:

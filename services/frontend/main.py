@@ -25,6 +25,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tandem.frontend.pipeline import Pipeline
+from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
 from tandem.model.demo import ensure_demo_model
@@ -42,6 +43,25 @@ from tandem.video.frontend import VideoFrontend
 from tandem.video.metrics import VideoFrontendMetrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    """One model of a frontend that serves several (FrontendConfig.models)."""
+
+    #: Name clients pass as `model` (required, unique).
+    name: str = ""
+    #: Model directory (tokenizer, chat template, config.json); unset: the demo model.
+    model: str = ""
+    #: Context length, tokens; 0: the model's max_position_embeddings.
+    max_seq_len: int = 0
+    #: This model's router replicas, as --router-address (required): each model has a router
+    #: of its own, over its own pools and KV index.
+    router_address: str = ""
+    #: As --tool-call-parser, for this model.
+    tool_call_parser: str = ""
+    #: As --reasoning-parser, for this model.
+    reasoning_parser: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,11 @@ class FrontendConfig:
     max_seq_len: int = 0
     #: Most messages in one chat request (more: 400).
     max_messages: int = 1000
+    #: Several models behind this frontend (YAML only, --config): requests go to the model
+    #: they name, each model with its own tokenizer, chat template, parsers and router;
+    #: replaces model, served_model_name, max_seq_len, router_address, tool_call_parser and
+    #: reasoning_parser. Empty: the one model those flags describe.
+    models: list[ServedModelConfig] = field(default_factory=list)
     #: Parser of the model's tool-call markup for tool_choice "auto": hermes (Qwen2.5/Qwen3,
     #: Hermes), llama3_json (Llama 3.1+), mistral, pythonic (Llama 4, Llama 3.2), deepseek_v3
     #: (DeepSeek-V3/R1) or harmony (gpt-oss, with --reasoning-parser gpt_oss); "": none, and
@@ -176,38 +201,78 @@ class FrontendClients:
             await self.media.close()
 
 
-def output_parsers(config: FrontendConfig, tokenizer: Tokenizer) -> OutputParsers:
+def output_parsers(served: ServedModelConfig, tokenizer: Tokenizer) -> OutputParsers:
     """--tool-call-parser and --reasoning-parser; InvalidRequest naming the flag for an
     unknown parser."""
-    for param, name, known in (("tool_call_parser", config.tool_call_parser, TOOL_PARSER_NAMES),
-                               ("reasoning_parser", config.reasoning_parser,
+    for param, name, known in (("tool_call_parser", served.tool_call_parser, TOOL_PARSER_NAMES),
+                               ("reasoning_parser", served.reasoning_parser,
                                 REASONING_PARSER_NAMES)):
         if name and name not in known:
             raise InvalidRequest(f"--{param.replace('_', '-')} {name!r} is not a parser; valid "
                                  f"names: {', '.join(known)}", param=param)
-    return OutputParsers.build(config.tool_call_parser, config.reasoning_parser,
+    return OutputParsers.build(served.tool_call_parser, served.reasoning_parser,
                                tokenizer.special_texts)
 
 
-def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
-    """Call on the event loop (the media fetcher's HTTP session belongs to it)."""
+def served_models(config: FrontendConfig) -> list[ServedModelConfig]:
+    """The models to serve: `models`, or the one the single-model flags describe.
+
+    Raises:
+        InvalidRequest: a listed model without a name or router address, or a name twice.
+    """
+    if not config.models:
+        return [ServedModelConfig(config.served_model_name, config.model, config.max_seq_len,
+                                  config.router_address, config.tool_call_parser,
+                                  config.reasoning_parser)]
+    names: set[str] = set()
+    for i, served in enumerate(config.models):
+        for key in ("name", "router_address"):
+            if not getattr(served, key):
+                raise InvalidRequest(f"models[{i}].{key} must be set", param=f"models[{i}].{key}")
+        if served.name in names:
+            raise InvalidRequest(f"models[{i}].name {served.name!r} is listed twice",
+                                 param=f"models[{i}].name")
+        names.add(served.name)
+    return list(config.models)
+
+
+def build_frontends(config: FrontendConfig) -> tuple[ServedModels, list[FrontendClients]]:
+    """Every served model's Frontend and connections. The models share one metrics registry
+    (each its `model` label) and one admission budget. Call on the event loop."""
     if not 0 <= config.json_whitespace <= MAX_JSON_WHITESPACE:
         raise InvalidRequest(f"--json-whitespace must be 0 to {MAX_JSON_WHITESPACE}, got "
                              f"{config.json_whitespace}", param="json_whitespace")
-    model_dir = pathlib.Path(config.model) if config.model else ensure_demo_model()
+    admission = Admission(config.max_inflight_requests, config.max_queued_requests)
+    frontends: list[Frontend] = []
+    clients: list[FrontendClients] = []
+    for served in served_models(config):
+        root = frontends[0].pipeline.metrics if frontends else None
+        frontend, connections = build_frontend(config, served, admission, root)
+        frontends.append(frontend)
+        clients.append(connections)
+    return ServedModels(frontends), clients
+
+
+def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission: Admission,
+                   root_metrics: FrontendMetrics | None = None
+                   ) -> tuple[Frontend, FrontendClients]:
+    """One model's Frontend and connections (the media fetcher's HTTP session belongs to the
+    running event loop). `root_metrics`: the metrics of another model of this process."""
+    model_dir = pathlib.Path(served.model) if served.model else ensure_demo_model()
     model_config = ModelConfig.from_dir(model_dir)
-    model = ModelInfo(config.served_model_name or model_dir.name,
-                      config.max_seq_len or model_config.max_position_embeddings)
+    model = ModelInfo(served.name or model_dir.name,
+                      served.max_seq_len or model_config.max_position_embeddings)
     tokenizer = Tokenizer.from_dir(model_dir)
     placeholders = ImagePlaceholders.from_dir(model_dir)
     media = MediaFetcher(config.media) if placeholders is not None else None
-    metrics = FrontendMetrics(model.name)
+    metrics = (FrontendMetrics(model.name) if root_metrics is None
+               else root_metrics.for_model(model.name))
     clients = FrontendClients(
-        RouterClient(config.router_address, timeout_s=config.router_timeout_s,
+        RouterClient(served.router_address, timeout_s=config.router_timeout_s,
                      max_local_prefill_length=config.max_local_prefill_length, tls=config.tls,
                      block_size=config.kv_block_size,
-                     on_fallback=lambda active: metrics.router_fallback.set(int(active)),
-                     on_fallback_route=metrics.fallback_routes.inc),
+                     on_fallback=metrics.set_router_fallback,
+                     on_fallback_route=metrics.count_fallback_route),
         DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
         PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media)
@@ -220,10 +285,8 @@ def build_frontend(config: FrontendConfig) -> tuple[Frontend, FrontendClients]:
     images = (ImageSupport(placeholders, media, config.kv_block_size)
               if placeholders is not None and media is not None else None)
     frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images,
-                        max_messages=config.max_messages,
-                        admission=Admission(config.max_inflight_requests,
-                                            config.max_queued_requests),
-                        parsers=output_parsers(config, tokenizer),
+                        max_messages=config.max_messages, admission=admission,
+                        parsers=output_parsers(served, tokenizer),
                         json_whitespace=config.json_whitespace)
     return frontend, clients
 
@@ -240,8 +303,10 @@ async def serve(config: FrontendConfig) -> None:
                                 "mtls": config.tls.require_client_cert,
                                 "http_mtls": config.tls.require_client_cert
                                 and not config.http_no_client_cert})
-    frontend, clients = build_frontend(config)
-    clients.router.start()
+    models, connections = build_frontends(config)
+    frontend = models.default  # its router also serves the video pool
+    for clients in connections:
+        clients.router.start()
     build_info.register(frontend.pipeline.metrics.registry, "frontend")
     if config.metrics_port:
         start_http_server(config.metrics_port, config.host,
@@ -251,14 +316,15 @@ async def serve(config: FrontendConfig) -> None:
                                              config.reuse_port, config.own_grpc_port),
                                ["tandem.v1.Inference"])
     inference_pb2_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(frontend, grpc_service.draining, api_keys), grpc_service.server)
+        InferenceServicer(models, grpc_service.draining, api_keys), grpc_service.server)
 
     app = web.Application(client_max_size=config.max_request_bytes,
                           middlewares=[json_errors, api_key_auth(api_keys)])
-    routes = OpenAIRoutes(frontend, grpc_service.draining)
+    routes = OpenAIRoutes(models, grpc_service.draining)
     routes.add_to(app)
+    # Further APIs over the same models (each adds its routes):
     if config.video_model:
-        video_routes = video_api(config, clients.router, grpc_service, frontend)
+        video_routes = video_api(config, connections[0].router, grpc_service, frontend)
         video_routes.add_to(app)
         routes.extra_models.append(video_routes.model_entry())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -271,7 +337,8 @@ async def serve(config: FrontendConfig) -> None:
     # runner.cleanup refuses new connections and waits for in-flight responses up to the grace
     # period, while the gRPC API drains too.
     grpc_service.on_drain(runner.cleanup)
-    grpc_service.on_close(clients.close)
+    for clients in connections:
+        grpc_service.on_close(clients.close)
     scheme = "https" if ssl_context is not None else "http"
     log.info("http listening", extra={"url": f"{scheme}://{config.host}:{config.http_port}"})
     await grpc_service.run()

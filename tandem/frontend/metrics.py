@@ -2,6 +2,7 @@
 Buckets span LLM latencies: milliseconds for ITL, up to minutes for whole requests."""
 from __future__ import annotations
 
+import copy
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +21,9 @@ CLIENT_CLOSED = "499"
 
 
 class FrontendMetrics:
+    """The frontend's metrics, labelled with one served model; `for_model` gives another
+    model's view of the same collectors (one registry, one /metrics page)."""
+
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ("model",)
@@ -57,19 +61,34 @@ class FrontendMetrics:
             "(-> this frontend reads it), receive_to_sse (-> its SSE event written to the "
             "client); one sample per batch read (Decode.Session only)", [*labels, "hop"],
             buckets=_HOP_BUCKETS, registry=r)
-        self._hops = {hop: self.token_hops.labels(model, hop)
-                      for hop in ("engine_to_send", "send_to_receive", "receive_to_sse")}
         self.router_fallback = Gauge(
-            "tandem_frontend_router_fallback", "1 while no router replica answers and this "
-            "frontend routes alone on the last worker list (kv-aware routing off), else 0",
-            registry=r)
+            "tandem_frontend_router_fallback", "1 while none of the model's router replicas "
+            "answers and this frontend routes alone on the last worker list (kv-aware routing "
+            "off), else 0", labels, registry=r)
         self.fallback_routes = Counter(
             "tandem_frontend_fallback_routes", "Requests this frontend routed alone because no "
-            "router replica answered", registry=r)
+            "router replica answered", labels, registry=r)
+        self._bind(model)
+
+    def _bind(self, model: str) -> None:
+        self.model = model
+        self._hops = {hop: self.token_hops.labels(model, hop)
+                      for hop in ("engine_to_send", "send_to_receive", "receive_to_sse")}
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
         self._streamed = self.output_tokens_total.labels(model)
-        self.model = model
+
+    def for_model(self, model: str) -> FrontendMetrics:
+        """These metrics (same collectors and registry) labelled with `model`."""
+        other = copy.copy(self)
+        other._bind(model)
+        return other
+
+    def set_router_fallback(self, active: bool) -> None:
+        self.router_fallback.labels(self.model).set(int(active))
+
+    def count_fallback_route(self) -> None:
+        self.fallback_routes.labels(self.model).inc()
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
         self._streamed.inc(num_tokens)
@@ -107,6 +126,18 @@ class RequestTracker:
         self._is_done = False
         metrics.in_flight.labels(metrics.model).inc()
         metrics.queued.labels(metrics.model).inc()
+
+    def relabel(self, metrics: FrontendMetrics) -> None:
+        """Counts the request under `metrics`' model from now on (an API that learns the
+        model from the body starts tracking before it has read it)."""
+        if metrics.model == self.metrics.model or self._is_done:
+            return
+        for gauge, counted in ((self.metrics.in_flight, True), (self.metrics.queued,
+                                                                 self._is_queued)):
+            if counted:
+                gauge.labels(self.metrics.model).dec()
+                gauge.labels(metrics.model).inc()
+        self.metrics = metrics
 
     def first_token(self) -> None:
         """The answer started: the request leaves the queue."""

@@ -12,27 +12,18 @@ import yaml
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.launcher.served_models import (
+    DeploymentModel,
+    DeploymentPool,
+    ModelTopology,
+    model_topologies,
+    router_config,
+)
 from tandem.launcher.supervisor import RESTART_POLICIES
 from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.progress import WatchdogConfig
 from tandem.runtime.tls import TlsConfig
-
-
-@dataclass(frozen=True)
-class DeploymentPool:
-    """A pool of workers the launcher starts and the router picks among."""
-
-    name: str = "decode"
-    #: decode, agg (aggregated grid pools), prefill, encode or video (`tandem serve video`).
-    kind: str = "decode"
-    #: One worker per port.
-    ports: list[int] = field(default_factory=list)
-    #: The router's worker policy in this pool.
-    policy: str = "round_robin"
-    #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
-    #: a different --speedup-ratio for a faster pool.
-    worker_flags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -77,6 +68,11 @@ class Deployment:
     router_policy: str = "round_robin"
     #: Several pools (YAML only); replaces decode_ports / router_policy.
     pools: list[DeploymentPool] = field(default_factory=list)
+    #: Several models behind one frontend (YAML only), each with its pools and its router
+    #: (model i's router replicas listen on router_port + i * router_replicas + r); replaces
+    #: pools, decode_ports, disagg, encode_ports, served_model_name, tool_call_parser and
+    #: reasoning_parser. The video pools (video_ports) join the first model's router.
+    models: list[DeploymentModel] = field(default_factory=list)
     #: Dynamo global-router JSON file with the SLA grid over `pools` (passed to the router).
     grid_config: str = ""
     # == disaggregation ==
@@ -177,23 +173,6 @@ def _serve(stage: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", "serve", stage, *flags]
 
 
-def pools(d: Deployment) -> list[DeploymentPool]:
-    if d.pools:
-        return d.pools
-    shorthand = [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
-    if d.disagg:
-        shorthand.append(DeploymentPool("prefill", "prefill", list(d.prefill_ports),
-                                        d.router_policy))
-    if d.encode_ports:
-        # Round robin: the kv policy has nothing to match on an encode worker.
-        shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports)))
-    if d.video_ports:
-        # Least loaded: a video job holds its worker for seconds to minutes; the shortest
-        # queue (reported running + waiting jobs) goes first.
-        shorthand.append(DeploymentPool("video", "video", list(d.video_ports), "least_loaded"))
-    return shorthand
-
-
 def video_model_name(d: Deployment) -> str:
     """The served name of the video model (what /v1/videos requests name)."""
     if d.video_served_model_name:
@@ -217,57 +196,75 @@ def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
     return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
 
 
-def router_config(d: Deployment) -> dict[str, object]:
-    """The router's YAML config for this topology (pools with worker addresses, grid)."""
-    config: dict[str, object] = {
-        "pools": [{"name": p.name, "kind": p.kind, "policy": p.policy,
-                   "workers": [f"{d.host}:{port}" for port in p.ports]} for p in pools(d)],
-        "block_size": d.engine_args.kv_block_size,
-        "metrics_port": d.router_metrics_port,
-    }
-    if d.grid_config:
-        config["grid_config"] = str(pathlib.Path(d.grid_config).resolve())
-    return config
+def _model_workers(d: Deployment, t: ModelTopology, common: list[str],
+                   worker_flags: list[str]) -> list[ServiceProcess]:
+    model = ["--served-model-name", t.name] if t.name else []
+    engine_flags = config_lib.to_argv(t.engine_args)
+    disaggregated = any(pool.kind == "prefill" for pool in t.pools)
+    return [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
+        *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
+        "--engine", d.engine, *model, *common, *engine_flags, *worker_flags, *t.worker_flags,
+        *pool.worker_flags))
+        if pool.kind != "video" else
+        _video_worker(d, f"{pool.name}-{i}", port, common, [*worker_flags, *pool.worker_flags])
+        for pool in t.pools for i, port in enumerate(pool.ports)]
+
+
+def _router_address(d: Deployment, t: ModelTopology) -> str:
+    return ",".join(f"{d.host}:{port}" for port in t.routers.values())
+
+
+def _model_flags(d: Deployment, topologies: list[ModelTopology],
+                 workdir: pathlib.Path) -> list[str]:
+    """The frontend's flags for its model(s): flat flags for one, a --config file listing
+    them for several (written into `workdir`)."""
+    if not d.models:
+        t = topologies[0]
+        flags = ["--router-address", _router_address(d, t)]
+        flags += ["--model", t.engine_args.model] if t.engine_args.model else []
+        flags += ["--served-model-name", t.name] if t.name else []
+        flags += ["--max-seq-len", str(t.engine_args.max_seq_len)] if t.engine_args.max_seq_len \
+            else []
+        flags += ["--tool-call-parser", t.tool_call_parser] if t.tool_call_parser else []
+        flags += ["--reasoning-parser", t.reasoning_parser] if t.reasoning_parser else []
+        return flags
+    models = [{"name": t.name, "model": t.engine_args.model, "max_seq_len": t.engine_args.max_seq_len,
+               "router_address": _router_address(d, t), "tool_call_parser": t.tool_call_parser,
+               "reasoning_parser": t.reasoning_parser} for t in topologies]
+    path = workdir / "frontend-models.yaml"
+    path.write_text(yaml.safe_dump({"models": models}))
+    return ["--config", str(path)]
 
 
 def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
-    """The processes in start order (workers, router, frontend); stop in reverse. The router's
-    config file is written into `workdir`."""
+    """The processes in start order (workers, routers, frontend); stop in reverse. The
+    routers' config files are written into `workdir`."""
     common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level,
               "--log-format", d.log_format, *config_lib.to_argv(d.tls)]
-    model = ["--served-model-name", d.served_model_name] if d.served_model_name else []
-    engine_flags = config_lib.to_argv(d.engine_args)
     worker_flags = [*config_lib.to_argv(d.watchdog), *(["--debug-hooks"] if d.debug_hooks else [])]
-    if d.engine == "mock" and any(pool.kind == "encode" for pool in pools(d)):
+    topologies = model_topologies(d)
+    if d.engine == "mock" and any(p.kind == "encode" for t in topologies for p in t.pools):
         raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
                              "not have: use --engine reference with a vision model",
                              param="encode_ports")
     if d.restart_policy not in RESTART_POLICIES:
         raise InvalidRequest(f"restart_policy must be one of {', '.join(RESTART_POLICIES)}, "
                              f"got {d.restart_policy!r}", param="restart_policy")
-    disaggregated = any(pool.kind == "prefill" for pool in pools(d))
-    workers = [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
-        *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
-        "--engine", d.engine, *model, *common, *engine_flags, *worker_flags, *pool.worker_flags))
-        if pool.kind != "video" else
-        _video_worker(d, f"{pool.name}-{i}", port, common, [*worker_flags, *pool.worker_flags])
-        for pool in pools(d) for i, port in enumerate(pool.ports)]
+    workers = [w for t in topologies for w in _model_workers(d, t, common, worker_flags)]
     if d.worker_metrics_ports:
         if len(d.worker_metrics_ports) != len(workers):
             raise InvalidRequest(f"worker_metrics_ports lists {len(d.worker_metrics_ports)} "
                                  f"ports for {len(workers)} workers", param="worker_metrics_ports")
         for worker, metrics_port in zip(workers, d.worker_metrics_ports):
             worker.argv.extend(["--metrics-port", str(metrics_port)])
-    router_file = workdir / "router.yaml"
-    router_file.write_text(yaml.safe_dump(router_config(d)))
-    if d.router_replicas < 1:
-        raise InvalidRequest("router_replicas must be at least 1", param="router_replicas")
-    routers = [ServiceProcess(name, f"{d.host}:{port}", _serve(
-        "router", "--host", d.host, "--port", str(port), "--config", str(router_file), *common))
-        for name, port in router_ports(d).items()]
-    frontend_flags = ["--model", d.engine_args.model] if d.engine_args.model else []
-    if d.engine_args.max_seq_len:
-        frontend_flags += ["--max-seq-len", str(d.engine_args.max_seq_len)]
+    routers: list[ServiceProcess] = []
+    for t in topologies:
+        router_file = workdir / (f"router-{t.name}.yaml" if d.models else "router.yaml")
+        router_file.write_text(yaml.safe_dump(router_config(d, t)))
+        routers += [ServiceProcess(name, f"{d.host}:{port}", _serve(
+            "router", "--host", d.host, "--port", str(port), "--config", str(router_file),
+            *common)) for name, port in t.routers.items()]
+    frontend_flags = _model_flags(d, topologies, workdir)
     if d.request_timeout_s:
         frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
     frontend_flags += ["--max-inflight-requests", str(d.frontend_max_inflight_requests),
@@ -275,12 +272,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
-    if any(pool.kind == "video" for pool in pools(d)):
+    if any(p.kind == "video" for p in topologies[0].pools):
         frontend_flags += ["--video-model", video_model_name(d)]
-    if d.tool_call_parser:
-        frontend_flags += ["--tool-call-parser", d.tool_call_parser]
-    if d.reasoning_parser:
-        frontend_flags += ["--reasoning-parser", d.reasoning_parser]
     if d.json_whitespace:
         frontend_flags += ["--json-whitespace", str(d.json_whitespace)]
     if d.api_keys:
@@ -292,17 +285,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
                        *config_lib.to_argv(d.media)]
     frontend_argv = _serve(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
-        str(d.grpc_port), "--router-address",
-        ",".join(f"{d.host}:{port}" for port in router_ports(d).values()), *model,
-        *frontend_flags, *common, "--processes", "1")
+        str(d.grpc_port), *frontend_flags, *common, "--processes", "1")
     return [*workers, *routers, *frontends(d, frontend_argv)]
-
-
-def router_ports(d: Deployment) -> dict[str, int]:
-    """Router process name -> its port: "router", or "router-0", "router-1", ... for several."""
-    if d.router_replicas == 1:
-        return {"router": d.router_port}
-    return {f"router-{i}": d.router_port + i for i in range(d.router_replicas)}
 
 
 def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:

@@ -21,8 +21,8 @@ from tandem.errors import TandemError
 from tandem.launcher.deployment import (
     Deployment,
     ServiceProcess,
+    model_topologies,
     processes,
-    router_ports,
     video_model_name,
     with_model,
 )
@@ -183,11 +183,15 @@ def _video_banner(d: Deployment, url: str) -> str:
 
 
 async def run(d: Deployment) -> int:
-    model_dir = d.engine_args.model or str(ensure_demo_model())
-    d = with_model(d, model_dir)
-    name = d.served_model_name or pathlib.Path(model_dir).name
+    if d.models:  # the banner names the first
+        model_dir, name = d.models[0].model or str(ensure_demo_model()), d.models[0].name
+    else:
+        model_dir = d.engine_args.model or str(ensure_demo_model())
+        d = with_model(d, model_dir)
+        name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    topology = Topology(processes(d, workdir), d.tls, workdir, list(router_ports(d)))
+    routers = [name for t in model_topologies(d) for name in t.routers]
+    topology = Topology(processes(d, workdir), d.tls, workdir, routers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

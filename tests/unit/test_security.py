@@ -21,6 +21,7 @@ from tandem.frontend.auth import ENV_VAR, ApiKeys
 from tandem.frontend.frontend import Frontend, ModelInfo
 from tandem.frontend.openai_request import parse_request
 from tandem.frontend.pipeline import Pipeline
+from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.launcher.deployment import Deployment, processes
 from tandem.model.demo import ensure_demo_model
@@ -192,7 +193,7 @@ class _Context:
 async def test_grpc_inference_checks_the_authorization_metadata(
         metadata: tuple[tuple[str, str], ...], passes: bool) -> None:
     frontend = cast(Frontend, type("F", (), {"model": ModelInfo("demo", 64)})())
-    servicer = InferenceServicer(frontend, cast(Any, None), ApiKeys(["sk-right"]))
+    servicer = InferenceServicer(ServedModels([frontend]), cast(Any, None), ApiKeys(["sk-right"]))
     context = cast(Any, _Context(metadata))
     if passes:
         reply = await servicer.ListModels(cast(Any, None), context)

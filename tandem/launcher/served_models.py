@@ -1,0 +1,139 @@
+"""What a deployment serves, model by model: the pools of workers the launcher starts and the
+routers that pick among them. A deployment serves one model (its flat fields) or several
+(`models`), each with pools and a router of its own."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tandem.engines.args import EngineArgs
+from tandem.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from tandem.launcher.deployment import Deployment
+
+
+@dataclass(frozen=True)
+class DeploymentPool:
+    """A pool of workers the launcher starts and the router picks among."""
+
+    name: str = "decode"
+    #: decode, agg (aggregated grid pools), prefill, encode or video (`tandem serve video`).
+    kind: str = "decode"
+    #: One worker per port.
+    ports: list[int] = field(default_factory=list)
+    #: The router's worker policy in this pool.
+    policy: str = "round_robin"
+    #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
+    #: a different --speedup-ratio for a faster pool.
+    worker_flags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeploymentModel:
+    """One model of a deployment that serves several (Deployment.models, YAML only): its
+    workers in pools of their own, behind a router of its own; the frontend serves them all
+    and sends each request to the model it names."""
+
+    #: Name clients pass as `model` (required, unique).
+    name: str = ""
+    #: Model directory; unset: the demo model.
+    model: str = ""
+    #: Its pools (decode, agg, prefill, encode), each with its ports (required).
+    pools: list[DeploymentPool] = field(default_factory=list)
+    #: Context length, tokens; 0: the model's max_position_embeddings.
+    max_seq_len: int = 0
+    #: Frontend: tool-call parser for this model (as tool_call_parser).
+    tool_call_parser: str = ""
+    #: Frontend: reasoning parser for this model (as reasoning_parser).
+    reasoning_parser: str = ""
+    #: Extra flags for every worker of this model (after the shared engine flags).
+    worker_flags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelTopology:
+    """What `processes` starts for one served model: its workers' pools and its routers."""
+
+    #: Served name; "": the model directory's name (single-model deployments).
+    name: str
+    engine_args: EngineArgs
+    pools: list[DeploymentPool]
+    #: Router process name -> port.
+    routers: dict[str, int]
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    worker_flags: list[str] = field(default_factory=list)
+
+
+def pools(d: Deployment) -> list[DeploymentPool]:
+    if d.pools:
+        return d.pools
+    shorthand = [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
+    if d.disagg:
+        shorthand.append(DeploymentPool("prefill", "prefill", list(d.prefill_ports),
+                                        d.router_policy))
+    if d.encode_ports:
+        # Round robin: the kv policy has nothing to match on an encode worker.
+        shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports)))
+    if d.video_ports:
+        # Least loaded: a video job holds its worker for seconds to minutes; the shortest
+        # queue (reported running + waiting jobs) goes first.
+        shorthand.append(DeploymentPool("video", "video", list(d.video_ports), "least_loaded"))
+    return shorthand
+
+
+def router_ports(d: Deployment) -> dict[str, int]:
+    """The single-model router process name -> its port: "router", or "router-0",
+    "router-1", ... for several replicas (model_topologies has every model's)."""
+    if d.router_replicas == 1:
+        return {"router": d.router_port}
+    return {f"router-{i}": d.router_port + i for i in range(d.router_replicas)}
+
+
+def router_config(d: Deployment, topology: ModelTopology) -> dict[str, object]:
+    """A router's YAML config (its model's pools with worker addresses, the grid)."""
+    config: dict[str, object] = {
+        "pools": [{"name": p.name, "kind": p.kind, "policy": p.policy,
+                   "workers": [f"{d.host}:{port}" for port in p.ports]} for p in topology.pools],
+        "block_size": topology.engine_args.kv_block_size,
+        "metrics_port": d.router_metrics_port,
+    }
+    if d.grid_config:
+        config["grid_config"] = str(pathlib.Path(d.grid_config).resolve())
+    return config
+
+
+def model_topologies(d: Deployment) -> list[ModelTopology]:
+    """One per served model: the model the flat fields describe, or each of `models` (their
+    pools named "<model>-<pool>", so that process names stay unique).
+
+    Raises:
+        InvalidRequest: a listed model without a name or pools, or a name twice.
+    """
+    if d.router_replicas < 1:
+        raise InvalidRequest("router_replicas must be at least 1", param="router_replicas")
+    if not d.models:
+        return [ModelTopology(d.served_model_name, d.engine_args, pools(d), router_ports(d),
+                              d.tool_call_parser, d.reasoning_parser)]
+    video = ([DeploymentPool("video", "video", list(d.video_ports), "least_loaded")]
+             if d.video_ports else [])
+    topologies: list[ModelTopology] = []
+    for k, m in enumerate(d.models):
+        if not m.name or not m.pools:
+            raise InvalidRequest(f"models[{k}] needs a name and pools", param=f"models[{k}]")
+        if any(t.name == m.name for t in topologies):
+            raise InvalidRequest(f"models[{k}].name {m.name!r} is listed twice",
+                                 param=f"models[{k}].name")
+        base = d.router_port + k * d.router_replicas
+        routers = ({f"router-{m.name}": base} if d.router_replicas == 1 else
+                   {f"router-{m.name}-{i}": base + i for i in range(d.router_replicas)})
+        engine_args = dataclasses.replace(
+            d.engine_args, model=m.model, max_seq_len=m.max_seq_len or d.engine_args.max_seq_len)
+        named = [dataclasses.replace(p, name=f"{m.name}-{p.name}") for p in m.pools]
+        topologies.append(ModelTopology(m.name, engine_args, [*named, *(video if k == 0 else [])],
+                                        routers, m.tool_call_parser, m.reasoning_parser,
+                                        list(m.worker_flags)))
+    return topologies
