@@ -21,6 +21,10 @@ class ModelNotFound(TandemError):
     """The request names a model this deployment does not serve."""
 
 
+class NotFound(TandemError):
+    """A resource the request names by id (a stored response) does not exist."""
+
+
 class Unauthenticated(TandemError):
     """The request carries no valid API key."""
 

@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
+from services.frontend.responses_routes import ResponsesRoutes
 from services.frontend.supervisor import supervise
 from services.frontend.video_routes import VideoRoutes
 from tandem.engines.guided.grammar import MAX_JSON_WHITESPACE
@@ -25,6 +26,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tandem.frontend.pipeline import Pipeline
+from tandem.frontend.responses_store import ResponseStore
 from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.model.config import ModelConfig
@@ -97,6 +99,10 @@ class FrontendConfig:
     max_seq_len: int = 0
     #: Most messages in one chat request (more: 400).
     max_messages: int = 1000
+    #: Responses API: most responses kept for GET /v1/responses/{id} and previous_response_id,
+    #: in this process's memory (lost on restart; least recently used evicted first); 0: none
+    #: kept. With --reuse-port (several processes) none are kept either.
+    responses_store_size: int = 1000
     #: Several models behind this frontend (YAML only, --config): requests go to the model
     #: they name, each model with its own tokenizer, chat template, parsers and router;
     #: replaces model, served_model_name, max_seq_len, router_address, tool_call_parser and
@@ -323,6 +329,8 @@ async def serve(config: FrontendConfig) -> None:
     routes = OpenAIRoutes(models, grpc_service.draining)
     routes.add_to(app)
     # Further APIs over the same models (each adds its routes):
+    ResponsesRoutes(models, grpc_service.draining,
+                    ResponseStore(config.responses_store_size, config.reuse_port)).add_to(app)
     if config.video_model:
         video_routes = video_api(config, connections[0].router, grpc_service, frontend)
         video_routes.add_to(app)

@@ -14,6 +14,7 @@ from tandem import errors
 HTTP_ERRORS: dict[type[errors.TandemError], tuple[int, str, str | None]] = {
     errors.InvalidRequest: (400, "invalid_request_error", None),
     errors.ModelNotFound: (404, "not_found_error", "model_not_found"),
+    errors.NotFound: (404, "invalid_request_error", "not_found"),
     errors.Unauthenticated: (401, "authentication_error", "invalid_api_key"),
     errors.Overloaded: (429, "rate_limit_error", None),
     errors.Unavailable: (503, "service_unavailable", None),

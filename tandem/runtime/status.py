@@ -8,6 +8,7 @@ from tandem import errors
 GRPC_CODES: dict[type[errors.TandemError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
