@@ -14,6 +14,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.frontend.openapi import openapi_document
 from tandem.errors import TandemError, Unauthenticated, Unavailable
 from tandem.frontend import json_body
+from tandem.frontend.anthropic_errors import anthropic_error, error_body
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.errors import http_error
 from tandem.frontend.metrics import CLIENT_CLOSED, RequestTracker
@@ -200,26 +201,37 @@ class OpenAIRoutes:
 
 @web.middleware
 async def json_errors(request: web.Request, handler):  # type: ignore[no-untyped-def]
-    """Unknown routes, wrong methods and oversized bodies answer in OpenAI's error shape too."""
+    """Unknown routes, wrong methods and oversized bodies answer in OpenAI's error shape too
+    (Anthropic's under /v1/messages)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        body = {"error": {"message": exc.reason if exc.text is None else exc.text,
+        message = exc.reason if exc.text is None else exc.text
+        if _is_anthropic(request):
+            return web.json_response(error_body(exc.status, message), status=exc.status)
+        body = {"error": {"message": message,
                           "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=exc.status)
 
 
+def _is_anthropic(request: web.Request) -> bool:
+    """Whether the request is for the Anthropic Messages API (its errors have its shape)."""
+    return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
+
+
 def api_key_auth(keys: ApiKeys) -> Middleware:
-    """401 in OpenAI's error shape for a request without a valid API key (OPEN_PATHS exempt)."""
+    """401 in OpenAI's error shape (Anthropic's under /v1/messages) for a request without a
+    valid API key, sent as `Authorization: Bearer` or `x-api-key` (OPEN_PATHS exempt)."""
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
             try:
-                keys.check(request.headers.get("Authorization"))
+                keys.check(request.headers.get("Authorization"), request.headers.get("x-api-key"))
             except Unauthenticated as exc:
-                status, body = http_error(exc)
+                status, body = (anthropic_error(exc) if _is_anthropic(request)
+                                else http_error(exc))
                 return web.json_response(body, status=status,
                                          headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)

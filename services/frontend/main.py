@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import start_http_server
 
+from services.frontend.anthropic_routes import AnthropicRoutes
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
 from services.frontend.responses_routes import ResponsesRoutes
@@ -329,6 +330,7 @@ async def serve(config: FrontendConfig) -> None:
     routes = OpenAIRoutes(models, grpc_service.draining)
     routes.add_to(app)
     # Further APIs over the same models (each adds its routes):
+    AnthropicRoutes(models, grpc_service.draining).add_to(app)
     ResponsesRoutes(models, grpc_service.draining,
                     ResponseStore(config.responses_store_size, config.reuse_port)).add_to(app)
     if config.video_model:

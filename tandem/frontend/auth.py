@@ -1,5 +1,6 @@
-"""API keys of the frontend: `Authorization: Bearer <key>` on the REST API, the same value in the
-`authorization` metadata of the gRPC Inference API.
+"""API keys of the frontend: `Authorization: Bearer <key>` on the REST API (or `x-api-key: <key>`,
+as Anthropic's clients send it), the same value in the `authorization` metadata of the gRPC
+Inference API.
 
 Keys come from three places, all of them accepted together: `--api-keys` (visible in the process
 list: prefer the others), `--api-keys-file` (one key per line; blank lines and lines starting
@@ -46,17 +47,22 @@ class ApiKeys:
     def num_keys(self) -> int:
         return len(self._keys)
 
-    def check(self, authorization: str | None) -> None:
-        """Passes when authentication is off or `authorization` is "Bearer <a known key>".
+    def check(self, authorization: str | None, api_key: str | None = None) -> None:
+        """Passes when authentication is off, `authorization` is "Bearer <a known key>", or
+        (without an Authorization header) `api_key`, the x-api-key header, is a known key.
 
         Raises:
-            Unauthenticated: no header, another scheme, or an unknown key.
+            Unauthenticated: no key, another scheme, or an unknown key.
         """
         if not self._keys:
             return
-        if not authorization or not authorization[:len(_SCHEME)].lower() == _SCHEME:
-            raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
-        given = authorization[len(_SCHEME):].strip().encode()
+        if not authorization and api_key:
+            given = api_key.strip().encode()
+        elif not authorization or not authorization[:len(_SCHEME)].lower() == _SCHEME:
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>' or "
+                                  "'x-api-key: <key>'")
+        else:
+            given = authorization[len(_SCHEME):].strip().encode()
         # Compare with every key, in constant time, so timing tells nothing about a near miss.
         matched = False
         for key in self._keys:

@@ -111,6 +111,9 @@ class Delta:
     index: int = 0
     #: The prefill worker that computed the prompt, when disaggregated.
     prefill_worker: WorkerRef | None = None
+    #: The stop string that ended the answer (finish_reason STOP by a stop string); None
+    #: otherwise (end of sequence, a stop token, the length).
+    stop_string: str | None = None
 
 
 class RouterPort(Protocol):
@@ -297,7 +300,7 @@ class Pipeline:
         logprobs = [token] if kept and req.sampling.top_logprobs is not None else []
         finish = FinishReason.STOP if detok.stopped else prefilled.finish_reason
         usage = Usage(len(req.prompt_token_ids), len(kept), prefilled.cached_tokens)
-        return Delta(text, kept, logprobs, finish, usage, worker)
+        return Delta(text, kept, logprobs, finish, usage, worker, stop_string=detok.matched_stop)
 
     async def _decode(self, req: GenerationRequest, decision: RouteDecision,
                       prefilled: PrefillResult | None,
@@ -398,7 +401,8 @@ class Pipeline:
                     kept = chunk.token_ids[:max(detok.num_tokens - num_before, 0)]
                     progress.token_ids.extend(kept)
                     yield Delta(text, kept, chunk.logprobs[:len(kept)], FinishReason.STOP,
-                                progress.usage(), worker, chunk.received_ns)
+                                progress.usage(), worker, chunk.received_ns,
+                                stop_string=detok.matched_stop)
                     return
                 progress.token_ids.extend(chunk.token_ids)
                 if chunk.finish_reason is None:
