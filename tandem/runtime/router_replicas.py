@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.runtime import dns
 from tandem.runtime.dns import DNS_PREFIX
+from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import router_pb2, router_pb2_grpc
 
@@ -53,6 +55,8 @@ class Replica:
     pending: list[router_pb2.Completion] = field(default_factory=list)
     flush_timer: asyncio.TimerHandle | None = None
     probe: asyncio.Task[None] | None = None
+    #: Health checks answered while it was down (for tests and logs).
+    num_probe_answers: int = 0
 
     def take_pending(self) -> list[router_pb2.Completion]:
         pending, self.pending = self.pending, []
@@ -124,6 +128,7 @@ class RouterReplicas:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             except grpc.aio.AioRpcError:
                 continue
+            replica.num_probe_answers += 1
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 break
         replica.state, replica.probe = ReplicaState.UP, None
@@ -167,11 +172,8 @@ class RouterReplicas:
             self.resolved.set()
             await asyncio.sleep(self.dns_refresh_s)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return spawn(coro, self._tasks)
 
     async def close(self) -> None:
         """Stops probing and resolving, and closes every channel."""

@@ -173,7 +173,10 @@ async def test_without_any_router_the_client_routes_alone_by_load_and_says_so() 
         ready = False
         service = await _serve_at(TwoWorkerRouter(), port, is_ready=lambda: ready)
         await service.set_serving(False)
-        await asyncio.sleep(0.3)  # probes meanwhile see NOT_SERVING: still alone
+        replica = client.replicas.all[0]
+        answered = replica.num_probe_answers
+        await _until(lambda: replica.num_probe_answers >= answered + 2)  # NOT_SERVING twice
+
         await client.route("g0", [1], 8, SlaHints())
         assert changes == [True] and len(alone) == 7
         ready = True

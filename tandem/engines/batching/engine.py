@@ -16,6 +16,7 @@ from tandem.engines.base import Engine, PausePoint, Progress, TransferObserver
 from tandem.engines.batching.host_copies import CopyTiming, HostCopies
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
+from tandem.engines.batching.step_gate import StepGate
 from tandem.engines.batching.transfers import KvLoads
 from tandem.engines.batching.validation import (  # noqa: F401  (validate_args: re-exported)
     check_kv_handle,
@@ -83,11 +84,8 @@ class BatchingEngine(Engine):
         self._closed = False
         self._failure: BaseException | None = None
         self.num_steps = 0
-        #: Cleared by the pause_steps test hook: the loop then waits before its next step.
-        self._steps_allowed = asyncio.Event()
-        self._steps_allowed.set()
-        #: The pause_when test hook: its condition and the future it sets.
-        self._pause_at: tuple[int, asyncio.Future[PausePoint]] | None = None
+        #: The debug hooks (pause_steps, pause_when): the loop waits on it before each step.
+        self._gate = StepGate(self.name, self._settled_point)
         #: True while the loop waits for blocks held outside the batch (leases, KV reads):
         #: no step is due then, so no progress is owed.
         self._is_blocked_on_peers = False
@@ -296,7 +294,7 @@ class BatchingEngine(Engine):
             # cancelled: it would go on writing the KV cache after close returned); the loop
             # sees _closed and ends.
             self._wakeup.set()
-            self._steps_allowed.set()
+            self._gate.release()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.loads.close()
@@ -314,7 +312,7 @@ class BatchingEngine(Engine):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                await self._steps_allowed.wait()
+                await self._gate.wait()
                 if self._closed:
                     break
                 await self._step()
@@ -352,8 +350,7 @@ class BatchingEngine(Engine):
         sampled = await self._execute(plan)
         self._apply(plan, sampled)
         self._publish(self.pool.take_events())
-        if self._pause_at is not None:
-            self._maybe_pause()
+        self._gate.after_step()
 
     def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
         finished_any = False
@@ -406,35 +403,20 @@ class BatchingEngine(Engine):
         return Progress(has_work, self.num_steps)
 
     def pause_steps(self) -> None:
-        log.warning("%s engine step loop paused (debug hook)", self.name)
-        self._steps_allowed.clear()
+        self._gate.pause()
 
     def resume_steps(self) -> None:
-        log.warning("%s engine step loop resumed (debug hook)", self.name)
-        self._steps_allowed.set()
+        self._gate.resume()
 
     def pause_when(self, min_output_tokens: int) -> asyncio.Future[PausePoint]:
-        if self._pause_at is not None:
-            self._pause_at[1].cancel()
-        paused: asyncio.Future[PausePoint] = asyncio.get_running_loop().create_future()
-        self._pause_at = (min_output_tokens, paused)
-        log.warning("%s engine pauses once every request has %d output tokens (debug hook)",
-                    self.name, min_output_tokens)
-        return paused
+        return self._gate.pause_when(min_output_tokens)
 
-    def _maybe_pause(self) -> None:
-        assert self._pause_at is not None
-        min_tokens, paused = self._pause_at
+    def _settled_point(self) -> PausePoint | None:
+        """(running, their fewest output tokens) when nothing waits, loads or is loaded."""
         running = [r for r in self.scheduler.running if not r.is_finished]
         if self.scheduler.waiting or self.scheduler.loaded or self.loads or not running:
-            return
-        fewest = min(r.num_output for r in running)
-        if fewest < min_tokens:
-            return
-        self._pause_at = None
-        self.pause_steps()
-        if not paused.done():
-            paused.set_result(PausePoint(len(running), fewest))
+            return None
+        return PausePoint(len(running), min(r.num_output for r in running))
 
     # ---- observability ----------------------------------------------------------------------
 
