@@ -26,10 +26,12 @@ _SERVE: dict[str, tuple[str, str, str]] = {
                "generates tokens (prefilling itself in aggregated mode)"),
     "encode": ("services.common.worker_main", "main",
                "turns images into embeddings (vision tower and projector)"),
+    "embed": ("services.common.worker_main", "main",
+              "turns texts (token ids) into embeddings (an embedding model's pooled states)"),
     "video": ("services.video.main", "main",
               "generates videos from prompts (diffusion: Wan through diffusers or TensorRT-LLM)"),
 }
-_WORKER_STAGES = {"decode", "prefill", "encode", "video"}
+_WORKER_STAGES = {"decode", "prefill", "encode", "embed", "video"}
 #: File a command writes its one-line reason to when it fails (unset: none).
 TERMINATION_LOG_ENV = "TANDEM_TERMINATION_LOG"
 

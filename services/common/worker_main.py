@@ -1,4 +1,4 @@
-"""`tandem serve <prefill|decode|encode>`: one worker process of the given stage."""
+"""`tandem serve <prefill|decode|encode|embed>`: one worker process of the given stage."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.kv_events import KvEventsServicer
 from services.common.worker_stats import WorkerServicer
 from services.decode.servicer import DecodeServicer
+from services.embed.servicer import EmbedServicer
 from services.encode.servicer import EncodeServicer
 from services.prefill.servicer import PrefillServicer
 from tandem.errors import InvalidRequest
@@ -17,6 +18,7 @@ from tandem.runtime.worker import Worker, run_worker
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import (
     decode_pb2_grpc,
+    embed_pb2_grpc,
     encode_pb2_grpc,
     kv_events_pb2_grpc,
     prefill_pb2_grpc,
@@ -48,10 +50,16 @@ def _encode(w: Worker) -> None:
         EncodeServicer(w.engine, w.service.draining), w.service.server)
 
 
+def _embed(w: Worker) -> None:
+    embed_pb2_grpc.add_EmbedServicer_to_server(
+        EmbedServicer(w.engine, w.service.draining), w.service.server)
+
+
 STAGES: dict[str, Stage] = {
     "decode": Stage("tandem.v1.Decode", _decode, ("agg", "decode")),
     "prefill": Stage("tandem.v1.Prefill", _prefill, ("prefill",)),
     "encode": Stage("tandem.v1.Encode", _encode, ("encode",)),
+    "embed": Stage("tandem.v1.Embed", _embed, ("embed",)),
 }
 
 
@@ -86,4 +94,7 @@ def main(stage: str, argv: Sequence[str]) -> None:
     if config.disaggregation_mode == "encode":
         config = dataclasses.replace(config, engine_args=dataclasses.replace(
             config.engine_args, encode_only=True))
+    elif config.disaggregation_mode == "embed":
+        config = dataclasses.replace(config, engine_args=dataclasses.replace(
+            config.engine_args, embed_only=True))
     loop.run(run_worker(config, stage, _registration(spec), [spec.service_name]))

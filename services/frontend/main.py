@@ -12,16 +12,19 @@ from aiohttp import web
 from prometheus_client import start_http_server
 
 from services.frontend.anthropic_routes import AnthropicRoutes
+from services.frontend.embedding_routes import EmbeddingRoutes
 from services.frontend.http_app import OpenAIRoutes, api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
 from services.frontend.responses_routes import ResponsesRoutes
 from services.frontend.supervisor import supervise
 from services.frontend.video_routes import VideoRoutes
 from tandem.engines.guided.grammar import MAX_JSON_WHITESPACE
+from tandem.engines.reference.pooling import Pooler
 from tandem.errors import InvalidRequest
 from tandem.frontend.admission import Admission
 from tandem.frontend.auth import ApiKeys
 from tandem.frontend.detokenizer import IncrementalDetokenizer
+from tandem.frontend.embeddings import Embedder
 from tandem.frontend.frontend import Frontend, ImageSupport, ModelInfo
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.output_parsers import OutputParsers
@@ -36,7 +39,7 @@ from tandem.multimodal.fetch import MediaFetchConfig, MediaFetcher
 from tandem.multimodal.placeholders import ImagePlaceholders
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
-from tandem.runtime.clients import DecodeClients, EncodeClients, PrefillClients
+from tandem.runtime.clients import DecodeClients, EmbedClients, EncodeClients, PrefillClients
 from tandem.runtime.router_client import RouterClient
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.tls import TlsConfig, http_ssl_context
@@ -46,6 +49,10 @@ from tandem.video.frontend import VideoFrontend
 from tandem.video.metrics import VideoFrontendMetrics
 
 log = logging.getLogger(__name__)
+
+
+#: What a served model's workers do (ServedModelConfig.kind, --model-kind).
+MODEL_KINDS = ("text", "embedding")
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ class ServedModelConfig:
     tool_call_parser: str = ""
     #: As --reasoning-parser, for this model.
     reasoning_parser: str = ""
+    #: As --model-kind: text or embedding.
+    kind: str = "text"
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,14 @@ class FrontendConfig:
     #: in this process's memory (lost on restart; least recently used evicted first); 0: none
     #: kept. With --reuse-port (several processes) none are kept either.
     responses_store_size: int = 1000
+    #: What the model's workers serve: text (chat and completions; decode, prefill and encode
+    #: pools) or embedding (/v1/embeddings; an embedding pool).
+    model_kind: str = "text"
+    #: Served name of an embedding model behind the same router's embedding pool, beside the
+    #: text model: /v1/embeddings serves it and /v1/models lists it; "": none.
+    embedding_model: str = ""
+    #: That embedding model's directory (its tokenizer and sentence-transformers files).
+    embedding_model_path: str = ""
     #: Several models behind this frontend (YAML only, --config): requests go to the model
     #: they name, each model with its own tokenizer, chat template, parsers and router;
     #: replaces model, served_model_name, max_seq_len, router_address, tool_call_parser and
@@ -198,6 +215,8 @@ class FrontendClients:
     encode: EncodeClients
     #: None for a text-only model.
     media: MediaFetcher | None
+    #: An embedding model's workers; None for a text model.
+    embed: EmbedClients | None = None
 
     async def close(self) -> None:
         await self.router.close()  # flushes the last completion reports
@@ -206,6 +225,8 @@ class FrontendClients:
         await self.encode.close()
         if self.media is not None:
             await self.media.close()
+        if self.embed is not None:
+            await self.embed.close()
 
 
 def output_parsers(served: ServedModelConfig, tokenizer: Tokenizer) -> OutputParsers:
@@ -228,9 +249,18 @@ def served_models(config: FrontendConfig) -> list[ServedModelConfig]:
         InvalidRequest: a listed model without a name or router address, or a name twice.
     """
     if not config.models:
-        return [ServedModelConfig(config.served_model_name, config.model, config.max_seq_len,
-                                  config.router_address, config.tool_call_parser,
-                                  config.reasoning_parser)]
+        models = [ServedModelConfig(config.served_model_name, config.model, config.max_seq_len,
+                                    config.router_address, config.tool_call_parser,
+                                    config.reasoning_parser, config.model_kind)]
+    else:
+        models = list(config.models)
+    if config.embedding_model:
+        if not config.embedding_model_path:
+            raise InvalidRequest("--embedding-model needs --embedding-model-path (its "
+                                 "tokenizer)", param="embedding_model_path")
+        models.append(ServedModelConfig(config.embedding_model, config.embedding_model_path,
+                                        router_address=config.router_address,
+                                        kind="embedding"))
     names: set[str] = set()
     for i, served in enumerate(config.models):
         for key in ("name", "router_address"):
@@ -240,7 +270,12 @@ def served_models(config: FrontendConfig) -> list[ServedModelConfig]:
             raise InvalidRequest(f"models[{i}].name {served.name!r} is listed twice",
                                  param=f"models[{i}].name")
         names.add(served.name)
-    return list(config.models)
+    for i, served in enumerate(models):
+        if served.kind not in MODEL_KINDS:
+            where = f"models[{i}].kind" if config.models else "model_kind"
+            raise InvalidRequest(f"{where} must be one of {', '.join(MODEL_KINDS)}, got "
+                                 f"{served.kind!r}", param=where)
+    return models
 
 
 def build_frontends(config: FrontendConfig) -> tuple[ServedModels, list[FrontendClients]]:
@@ -268,7 +303,7 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
     model_dir = pathlib.Path(served.model) if served.model else ensure_demo_model()
     model_config = ModelConfig.from_dir(model_dir)
     model = ModelInfo(served.name or model_dir.name,
-                      served.max_seq_len or model_config.max_position_embeddings)
+                      served.max_seq_len or model_config.max_position_embeddings, served.kind)
     tokenizer = Tokenizer.from_dir(model_dir)
     placeholders = ImagePlaceholders.from_dir(model_dir)
     media = MediaFetcher(config.media) if placeholders is not None else None
@@ -282,7 +317,8 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
                      on_fallback_route=metrics.count_fallback_route),
         DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
         PrefillClients(config.tls),
-        EncodeClients(model.name, config.tls), media)
+        EncodeClients(model.name, config.tls), media,
+        EmbedClients(model.name, config.tls) if served.kind == "embedding" else None)
     pipeline = Pipeline(clients.router, clients.decode,
                         lambda req: IncrementalDetokenizer(
                             tokenizer, req.prompt_token_ids, stop=req.stop,
@@ -294,7 +330,11 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
     frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images,
                         max_messages=config.max_messages, admission=admission,
                         parsers=output_parsers(served, tokenizer),
-                        json_whitespace=config.json_whitespace)
+                        json_whitespace=config.json_whitespace,
+                        embedder=None if clients.embed is None else Embedder(
+                            tokenizer, model.max_model_len, clients.router, clients.embed,
+                            Pooler.from_dir(model_dir, model_config.hidden_size)
+                            .check_dimensions))
     return frontend, clients
 
 
@@ -331,6 +371,7 @@ async def serve(config: FrontendConfig) -> None:
     routes.add_to(app)
     # Further APIs over the same models (each adds its routes):
     AnthropicRoutes(models, grpc_service.draining).add_to(app)
+    EmbeddingRoutes(models, grpc_service.draining).add_to(app)
     ResponsesRoutes(models, grpc_service.draining,
                     ResponseStore(config.responses_store_size, config.reuse_port)).add_to(app)
     if config.video_model:

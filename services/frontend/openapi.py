@@ -63,6 +63,64 @@ def _responses(ok: str) -> dict[str, Any]:
     return out
 
 
+def _other_apis() -> dict[str, Any]:
+    """Responses, Anthropic Messages and embeddings: their required fields and main options
+    (the routes refuse, with a 400 naming it, what they do not honour)."""
+    responses = {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string", "nullable": True},
+        "max_output_tokens": {"type": "integer", "nullable": True},
+        "temperature": _NUMBER, "top_p": _NUMBER, "stream": {"type": "boolean"},
+        "store": {"type": "boolean"},
+        "previous_response_id": {"type": "string", "nullable": True},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+        "text": {"type": "object"}, "reasoning": {"type": "object"}}}
+    block = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}
+    messages = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+        "model": {"type": "string"}, "max_tokens": {"type": "integer"},
+        "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]},
+        "messages": {"type": "array", "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"type": "string", "enum": ["user", "assistant"]},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}}}},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "temperature": _NUMBER, "top_p": _NUMBER, "top_k": {"type": "integer"},
+        "stream": {"type": "boolean"}, "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"type": "object"}, "thinking": {"type": "object"}}}
+    embeddings = {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                            {"type": "array", "items": {"type": "integer"}}]},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer"}}}
+    by_id = [{"name": "response_id", "in": "path", "required": True,
+              "schema": {"type": "string"}}]
+    stored = {"200": {"description": "The stored response", "content": {
+        "application/json": {"schema": {"type": "object"}}}},
+        "404": {"description": "No stored response has that id",
+                "content": {"application/json": {"schema": _ERROR}}}}
+    return {
+        "/v1/responses": {"post": {
+            "operationId": "createResponse", "requestBody": _json_body(responses),
+            "responses": _responses("A response, or its SSE stream of events")}},
+        "/v1/responses/{response_id}": {
+            "get": {"operationId": "getResponse", "parameters": by_id, "responses": stored},
+            "delete": {"operationId": "deleteResponse", "parameters": by_id,
+                       "responses": stored}},
+        "/v1/messages": {"post": {
+            "operationId": "createMessage", "requestBody": _json_body(messages),
+            "responses": _responses("An Anthropic message, or its SSE stream of events")}},
+        "/v1/messages/count_tokens": {"post": {
+            "operationId": "countMessageTokens", "requestBody": _json_body(messages),
+            "responses": _responses("{input_tokens}")}},
+        "/v1/embeddings": {"post": {
+            "operationId": "createEmbedding", "requestBody": _json_body(embeddings),
+            "responses": _responses("One embedding per input")}},
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     chat = {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
@@ -93,6 +151,7 @@ def openapi_document() -> dict[str, Any]:
                     "application/json": {"schema": {"type": "object"}}}},
                     "401": {"description": "Missing or wrong API key",
                             "content": {"application/json": {"schema": _ERROR}}}}}},
+            **_other_apis(),
         },
         "components": {"schemas": {"Error": {
             "type": "object", "required": ["error"], "properties": {"error": {

@@ -35,7 +35,8 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
         max_local_prefill_length=request.max_local_prefill_length,
         has_images=request.has_images,
         prefer_ids=tuple(request.prefer_worker_ids),
-        video=request.video)
+        video=request.video,
+        embedding=request.embedding)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -67,7 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         self.metrics.observe(decision, time.perf_counter() - start)
         if tracing.is_enabled():
-            pick = (decision.decode_workers or decision.video_workers)[0]
+            pick = decision.pick
             tracing.annotate({"tandem.route.decode_worker": pick.worker_id,
                               "tandem.route.pool": pick.pool,
                               "tandem.route.disaggregate": decision.disaggregate,
@@ -77,7 +78,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 encode_workers=[_ref(w) for w in decision.encode_workers],
                                 disaggregate=decision.disaggregate,
                                 overlap_blocks=decision.overlap_blocks,
-                                video_workers=[_ref(w) for w in decision.video_workers])
+                                video_workers=[_ref(w) for w in decision.video_workers],
+                                embedding_workers=[_ref(w) for w in decision.embedding_workers])
 
     async def Complete(self, request: pb.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> pb.CompleteResponse:

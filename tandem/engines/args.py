@@ -58,6 +58,9 @@ class EngineArgs:
     encoder_cache_bytes: int = 256 * 1024 * 1024
     #: TensorRT-LLM: load only the multimodal encoder (MultimodalEncoder), for encode workers.
     encode_only: bool = False
+    #: Load the model for embeddings only (an embedding worker, `tandem serve embed`): final
+    #: hidden states pooled per input, no sampling, no KV cache kept between requests.
+    embed_only: bool = False
     # == disaggregation ==
     #: Decode side: what to do when reading a prefill worker's KV fails or its lease expired:
     #: recompute (prefill locally) or fail (end the request with an error).

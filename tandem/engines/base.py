@@ -135,6 +135,19 @@ class Engine(ABC):
             f"engine '{self.name}' has no vision encoder (the encode stage is a later stage of "
             "Tandem)")
 
+    async def embed(self, inputs: Sequence[Sequence[int]],
+                    dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per input (token ids): the model's final hidden states pooled and
+        normalised as its sentence-transformers configuration says, truncated to `dimensions`
+        (a Matryoshka model only; then normalised again).
+
+        Raises:
+            Unimplemented: the backend (or this worker) computes no embeddings.
+            InvalidRequest: an input too long or empty, or `dimensions` the model cannot give.
+        """
+        raise Unimplemented(f"engine '{self.name}' computes no embeddings (run an embedding "
+                            "worker: `tandem serve embed`)")
+
     def prepare_kv_transfer(self) -> None:  # noqa: B027  (most backends need no set-up)
         """Sets up KV transfer now (e.g. registers the KV pool with NIXL) so that the first
         disaggregated request does not pay for it."""

@@ -111,7 +111,7 @@ def _blocks(content: object, where: str, allowed: tuple[str, ...]) -> list[dict[
         if kind not in allowed:
             raise InvalidRequest(f"'{at}.type' must be one of {', '.join(allowed)} here, got "
                                  f"{kind!r}", param=f"{at}.type")
-        extra = sorted(set(block) - _BLOCK_KEYS[kind])
+        extra = _set_keys(block, _BLOCK_KEYS[kind])
         if extra:
             raise InvalidRequest(f"'{at}.{extra[0]}' is not supported on a {kind} block",
                                  param=f"{at}.{extra[0]}")
@@ -127,6 +127,12 @@ def _text(block: dict[str, Any], at: str) -> str:
     return text
 
 
+def _set_keys(block: dict[str, Any], known: frozenset[str] | set[str]) -> list[str]:
+    """The block's keys outside `known` that carry a value: a block the client read from a
+    response and sends back (the official clients' model_dump) has its unset fields as null."""
+    return sorted(k for k, v in block.items() if k not in known and v is not None)
+
+
 def _texts(value: object, where: str) -> str:
     """Text blocks (system, a tool result) joined with newlines, as chat joins text parts."""
     if not isinstance(value, list):
@@ -136,7 +142,7 @@ def _texts(value: object, where: str) -> str:
         at = f"{where}[{j}]"
         if not isinstance(block, dict) or block.get("type") != "text":
             raise InvalidRequest(f"'{at}' must be a text block", param=at)
-        extra = sorted(set(block) - _BLOCK_KEYS["text"])
+        extra = _set_keys(block, _BLOCK_KEYS["text"])
         if extra:
             raise InvalidRequest(f"'{at}.{extra[0]}' is not supported on a text block",
                                  param=f"{at}.{extra[0]}")

@@ -17,6 +17,7 @@ from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.admission import Admission
 from tandem.frontend.chat_output import ChatOutput
 from tandem.frontend.choices import choice_requests, generate_choices
+from tandem.frontend.embeddings import Embedder
 from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.pipeline import Delta, GenerationRequest, Pipeline
@@ -35,6 +36,8 @@ _JSON_KINDS = (GuidedKind.JSON_SCHEMA, GuidedKind.JSON_OBJECT)
 class ModelInfo:
     name: str
     max_model_len: int
+    #: "text" (chat and completions) or "embedding" (/v1/embeddings only).
+    kind: str = "text"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +56,8 @@ class Frontend:
                  request_timeout_s: float | None = None,
                  images: ImageSupport | None = None, max_messages: int = 1000,
                  admission: Admission | None = None,
-                 parsers: OutputParsers | None = None, json_whitespace: int = 0) -> None:
+                 parsers: OutputParsers | None = None, json_whitespace: int = 0,
+                 embedder: Embedder | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pipeline = pipeline
@@ -70,6 +74,8 @@ class Frontend:
         #: --json-whitespace: whitespace characters a JSON constraint (json_schema, json_object,
         #: a forced tool call's arguments) allows between two tokens; 0: compact JSON.
         self.json_whitespace = json_whitespace
+        #: An embedding model's /v1/embeddings; None for a text model.
+        self.embedder = embedder
 
     def chat_output(self, parsed: ParsedRequest) -> ChatOutput:
         """The splitter of `parsed`'s answer into reasoning, content and tool calls."""
@@ -145,6 +151,9 @@ class Frontend:
         if parsed.model != self.model.name:
             raise ModelNotFound(f"model '{parsed.model}' does not exist; this deployment serves "
                                 f"'{self.model.name}'", param="model")
+        if self.model.kind == "embedding":
+            raise InvalidRequest(f"model '{self.model.name}' is an embedding model: send its "
+                                 "requests to /v1/embeddings", param="model")
         if len(parsed.messages) > self.max_messages:
             raise InvalidRequest(f"'messages' may hold at most {self.max_messages} messages, got "
                                  f"{len(parsed.messages)}", param="messages")

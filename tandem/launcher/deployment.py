@@ -193,6 +193,8 @@ def _video_worker(d: Deployment, name: str, port: int, common: list[str],
 def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
     if pool.kind in ("prefill", "encode"):
         return [pool.kind]
+    if pool.kind == "embedding":
+        return ["embed"]
     return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
 
 
@@ -227,10 +229,11 @@ def _model_flags(d: Deployment, topologies: list[ModelTopology],
             else []
         flags += ["--tool-call-parser", t.tool_call_parser] if t.tool_call_parser else []
         flags += ["--reasoning-parser", t.reasoning_parser] if t.reasoning_parser else []
+        flags += ["--model-kind", t.kind] if t.kind != "text" else []
         return flags
     models = [{"name": t.name, "model": t.engine_args.model, "max_seq_len": t.engine_args.max_seq_len,
                "router_address": _router_address(d, t), "tool_call_parser": t.tool_call_parser,
-               "reasoning_parser": t.reasoning_parser} for t in topologies]
+               "reasoning_parser": t.reasoning_parser, "kind": t.kind} for t in topologies]
     path = workdir / "frontend-models.yaml"
     path.write_text(yaml.safe_dump({"models": models}))
     return ["--config", str(path)]
@@ -247,6 +250,9 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
                              "not have: use --engine reference with a vision model",
                              param="encode_ports")
+    if d.engine == "mock" and any(t.kind == "embedding" for t in topologies):
+        raise InvalidRequest("embedding workers need a model's hidden states, which the mock "
+                             "engine does not compute: use --engine reference", param="engine")
     if d.restart_policy not in RESTART_POLICIES:
         raise InvalidRequest(f"restart_policy must be one of {', '.join(RESTART_POLICIES)}, "
                              f"got {d.restart_policy!r}", param="restart_policy")

@@ -20,7 +20,8 @@ class DeploymentPool:
     """A pool of workers the launcher starts and the router picks among."""
 
     name: str = "decode"
-    #: decode, agg (aggregated grid pools), prefill, encode or video (`tandem serve video`).
+    #: decode, agg (aggregated grid pools), prefill, encode, video (`tandem serve video`) or
+    #: embedding (`tandem serve embed`: an embedding model's workers, /v1/embeddings).
     kind: str = "decode"
     #: One worker per port.
     ports: list[int] = field(default_factory=list)
@@ -66,6 +67,13 @@ class ModelTopology:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     worker_flags: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        """What the frontend serves for this model: embedding when its only pools are
+        embedding pools, else text."""
+        kinds = {p.kind for p in self.pools if p.kind != "video"}
+        return "embedding" if kinds == {"embedding"} else "text"
 
 
 def pools(d: Deployment) -> list[DeploymentPool]:
@@ -124,6 +132,10 @@ def model_topologies(d: Deployment) -> list[ModelTopology]:
     for k, m in enumerate(d.models):
         if not m.name or not m.pools:
             raise InvalidRequest(f"models[{k}] needs a name and pools", param=f"models[{k}]")
+        if len({p.kind == "embedding" for p in m.pools}) > 1:
+            raise InvalidRequest(f"models[{k}] mixes embedding pools with text pools; serve the "
+                                 "embedding workers as a model of their own",
+                                 param=f"models[{k}].pools")
         if any(t.name == m.name for t in topologies):
             raise InvalidRequest(f"models[{k}].name {m.name!r} is listed twice",
                                  param=f"models[{k}].name")

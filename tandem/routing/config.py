@@ -5,7 +5,10 @@ from dataclasses import dataclass, field
 
 from tandem.runtime.tls import TlsConfig
 
-POOL_KINDS = ("decode", "prefill", "agg", "encode", "video")
+POOL_KINDS = ("decode", "prefill", "agg", "encode", "video", "embedding")
+#: Pools whose worker takes a whole request alone, without tokens or KV to match: a request
+#: for one of these is routed to that kind of pool only (RouteRequest.video, .embedding).
+WHOLE_REQUEST_KINDS = ("video", "embedding")
 
 
 @dataclass(frozen=True)
@@ -14,8 +17,9 @@ class PoolConfig:
 
     name: str = ""
     #: decode, prefill (disaggregated grid pools), agg (aggregated grid pools), encode
-    #: (vision encoders, asked only for requests with images) or video (diffusion workers,
-    #: asked only for video requests).
+    #: (vision encoders, asked only for requests with images), video (diffusion workers,
+    #: asked only for video requests) or embedding (embedding models' workers, asked only
+    #: for embedding requests).
     kind: str = "decode"
     #: Static worker addresses, host:port (each address is also the worker's id).
     workers: list[str] = field(default_factory=list)

@@ -56,7 +56,7 @@ class RouterMetrics:
     def observe(self, decision: RouteDecision, seconds: float) -> None:
         """Counts the decode pick and, when disaggregated, the prefill pick (in its pool). The
         overlap is that of the worker that computes the prompt: the prefill pick, if any."""
-        pick = (decision.decode_workers or decision.video_workers)[0]
+        pick = decision.pick
         self.decisions.labels(pick.pool, pick.worker_id).inc()
         if decision.disaggregate:
             pick = decision.prefill_workers[0]

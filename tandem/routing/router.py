@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv.hashing import block_hashes as hash_blocks
-from tandem.routing.config import POOL_KINDS, PoolConfig
+from tandem.routing.config import POOL_KINDS, WHOLE_REQUEST_KINDS, PoolConfig
 from tandem.routing.grid import GridConfig
 from tandem.routing.policies import WorkerPolicy, create_policy
 from tandem.routing.prefix_index import PrefixIndex
@@ -64,6 +64,14 @@ class RouteRequestInfo:
     prefer_ids: Sequence[str] = ()
     #: A video generation: picked from video pools only (no tokens, no KV).
     video: bool = False
+    #: An embedding request: picked from embedding pools only (no KV to match).
+    embedding: bool = False
+
+    @property
+    def whole_request_kind(self) -> str | None:
+        """The pool kind (WHOLE_REQUEST_KINDS) this request goes to alone; None: a text
+        generation."""
+        return "video" if self.video else "embedding" if self.embedding else None
 
 
 class Router:
@@ -78,8 +86,8 @@ class Router:
             if cfg.kind not in POOL_KINDS:
                 raise InvalidRequest(f"pools[{i}].kind must be one of {', '.join(POOL_KINDS)}, "
                                      f"got '{cfg.kind}'", param=f"pools[{i}].kind")
-            if cfg.kind in ("encode", "video") and cfg.policy == "kv":
-                # Encode and video workers hold no KV: there is no prefix to match.
+            if cfg.kind in ("encode", *WHOLE_REQUEST_KINDS) and cfg.policy == "kv":
+                # Encode, video and embedding workers hold no KV: there is no prefix to match.
                 raise InvalidRequest(f"pools[{i}] is an {cfg.kind} pool; its policy cannot be "
                                      "'kv'", param=f"pools[{i}].policy")
             options: dict[str, object] = {}
@@ -115,10 +123,10 @@ class Router:
                                      param="pools")
 
     def can_serve(self) -> bool:
-        """Whether some request could be routed now: a healthy decode, aggregated or video
-        worker (prefill and encode workers alone serve nothing)."""
-        return any(w.healthy for kind in ("decode", "agg", "video") for pool in self._by_kind[kind]
-                   for w in list(pool.workers.values()))
+        """Whether some request could be routed now: a healthy decode, aggregated, video or
+        embedding worker (prefill and encode workers alone serve nothing)."""
+        return any(w.healthy for kind in ("decode", "agg", *WHOLE_REQUEST_KINDS)
+                   for pool in self._by_kind[kind] for w in list(pool.workers.values()))
 
     def all_workers(self) -> list[WorkerState]:
         # list() of dict values is atomic under the GIL: the metrics thread may call this.
@@ -183,9 +191,11 @@ class Router:
         part not cached on that worker is longer than `max_local_prefill_length`, a prefill
         worker. Without a healthy prefill worker the request is served aggregated. A request
         with images also gets encode workers, when encode pools have healthy ones (without, the
-        prefill or decode worker encodes them itself). A video request gets video workers."""
-        if info.video:
-            return self._route_video(info)
+        prefill or decode worker encodes them itself). A video or embedding request gets
+        workers of that kind only."""
+        kind = info.whole_request_kind
+        if kind is not None:
+            return self._route_whole(kind, info)
         hashes = tuple(info.block_hashes) or tuple(hash_blocks(list(info.token_ids),
                                                                self.block_size))
         ctx = RouteContext(info.request_id, hashes, info.isl, info.expected_osl, info.sla)
@@ -218,16 +228,19 @@ class Router:
                              encode_workers=tuple(w.ref for w, _ in encode_ordered),
                              disaggregate=bool(prefill_ordered), overlap_blocks=overlap)
 
-    def _route_video(self, info: RouteRequestInfo) -> RouteDecision:
-        """The video pools' candidates in policy order (least loaded: the shortest queue); the
+    def _route_whole(self, kind: str, info: RouteRequestInfo) -> RouteDecision:
+        """The `kind` pools' candidates in policy order (least loaded: the shortest queue); the
         pick carries the request until it completes."""
         ctx = RouteContext(info.request_id, (), 0, 0, info.sla)
-        ordered = self._rank(self._by_kind["video"], ctx, set(info.exclude_ids))
+        ordered = self._rank(self._by_kind[kind], ctx, set(info.exclude_ids))
         if not ordered:
-            raise Unavailable("no healthy video worker")
+            raise Unavailable(f"no healthy {kind} worker")
         self._release(info.request_id)
         self._handed[info.request_id] = [self._hand_out(ordered[0][0], 0, 0)]
-        return RouteDecision(decode_workers=(), video_workers=tuple(w.ref for w, _ in ordered))
+        refs = tuple(w.ref for w, _ in ordered)
+        if kind == "video":
+            return RouteDecision(decode_workers=(), video_workers=refs)
+        return RouteDecision(decode_workers=(), embedding_workers=refs)
 
     @staticmethod
     def _hand_out(worker: WorkerState, prefill_blocks: int, decode_blocks: int

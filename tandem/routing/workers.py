@@ -175,3 +175,11 @@ class RouteDecision:
     overlap_blocks: int = 0
     #: Ordered video workers (video requests only; decode_workers is then empty).
     video_workers: tuple[WorkerRef, ...] = ()
+    #: Ordered embedding workers (embedding requests only; decode_workers is then empty).
+    embedding_workers: tuple[WorkerRef, ...] = ()
+
+    @property
+    def pick(self) -> WorkerRef:
+        """The worker that carries the request: the decode (or aggregated), video or
+        embedding pick."""
+        return (self.decode_workers or self.video_workers or self.embedding_workers)[0]

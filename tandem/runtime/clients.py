@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import AbstractContextManager, aclosing
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -15,10 +16,13 @@ from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResu
 from tandem.runtime import convert, status, tracing
 from tandem.runtime.decode_session import BatchObserver, SessionChannel
 from tandem.runtime.interceptor import REQUEST_ID_KEY
+from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import (
     decode_pb2,
     decode_pb2_grpc,
+    embed_pb2,
+    embed_pb2_grpc,
     encode_pb2,
     encode_pb2_grpc,
     prefill_pb2,
@@ -83,9 +87,7 @@ class PrefillClients(_Channels):
 
     def release(self, handle: KvHandle) -> None:
         """Frees the handle's lease on its prefill worker, in the background."""
-        task = asyncio.get_running_loop().create_task(self._release(handle))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        spawn(self._release(handle), self._releases)
 
     async def _release(self, handle: KvHandle) -> None:
         stub = prefill_pb2_grpc.PrefillStub(self.channel(handle.worker_address))
@@ -193,3 +195,41 @@ class EncodeClients(_Channels):
             except grpc.aio.AioRpcError as exc:
                 raise status.from_rpc_error(exc, f"encode worker {address}") from None
         return [convert.embedding_from_pb(e) for e in reply.embeddings]
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """An embedding worker's answer: one vector per input, and the inputs' tokens."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+class EmbedClients(_Channels):
+    """Embed calls to embedding workers (frontend)."""
+
+    def __init__(self, model: str, tls: TlsConfig | None = None) -> None:
+        super().__init__(tls)
+        #: Served model name, sent with every request.
+        self.model = model
+
+    async def embed(self, address: str, request_id: str, inputs: Sequence[Sequence[int]],
+                    dimensions: int | None, timeout_s: float | None = None) -> Embeddings:
+        """One vector per input, from the worker at `address`.
+
+        Raises:
+            TandemError: the worker's status as a typed error (Unavailable when unreachable
+                or draining, InvalidRequest for inputs it refuses, ...).
+        """
+        message = embed_pb2.EmbedRequest(
+            request_id=request_id, model=self.model,
+            inputs=[embed_pb2.TokenSequence(token_ids=ids) for ids in inputs],
+            dimensions=dimensions)
+        stub = embed_pb2_grpc.EmbedStub(self.channel(address))
+        with _client_span("Embed", "Embed", address) as span:
+            try:
+                reply = await stub.Embed(message, timeout=timeout_s, metadata=(
+                    (REQUEST_ID_KEY, request_id), *tracing.inject(span)))
+            except grpc.aio.AioRpcError as exc:
+                raise status.from_rpc_error(exc, f"embedding worker {address}") from None
+        return Embeddings([list(v.values) for v in reply.embeddings], reply.prompt_tokens)

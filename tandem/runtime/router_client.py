@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -31,6 +31,7 @@ from tandem.runtime.router_replicas import (
     split_addresses,
 )
 from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb
+from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig
 from tandem.v1 import router_pb2
 
@@ -100,7 +101,7 @@ class RouterClient:
         """Follows the DNS names, and takes the first worker list (the fallback's) from the
         first replica that answers, in the background. Call on the event loop."""
         self.replicas.start()
-        self._snapshot_task = self._spawn(self._first_snapshot(), self._background)
+        self._snapshot_task = spawn(self._first_snapshot(), self._background)
         self._snapshot_task.add_done_callback(self._snapshot_done)
 
     def replica_states(self) -> list[str]:
@@ -156,13 +157,26 @@ class RouterClient:
     async def route_video(self, request_id: str, exclude_ids: tuple[str, ...] = ()
                           ) -> tuple[WorkerRef, ...]:
         """Video workers for a video request, best first (RouteRequest.video)."""
-        request = router_pb2.RouteRequest(request_id=request_id, video=True,
-                                          exclude_worker_ids=exclude_ids)
+        return (await self._route_whole(request_id, exclude_ids, video=True)).video_workers
+
+    async def route_embedding(self, request_id: str, exclude_ids: tuple[str, ...] = ()
+                              ) -> tuple[WorkerRef, ...]:
+        """Embedding workers for an embedding request, best first (RouteRequest.embedding)."""
+        return (await self._route_whole(request_id, exclude_ids,
+                                        embedding=True)).embedding_workers
+
+    async def _route_whole(self, request_id: str, exclude_ids: tuple[str, ...], *,
+                           video: bool = False, embedding: bool = False) -> RouteDecision:
+        request = router_pb2.RouteRequest(request_id=request_id, video=video,
+                                          embedding=embedding, exclude_worker_ids=exclude_ids)
         reply = await self._route(request, self.timeout_s)
         if reply is None:
             return self._route_alone(RouteRequestInfo(
-                request_id, (), (), 0, 0, SlaHints(), exclude_ids, video=True)).video_workers
-        return tuple(_ref(w) for w in reply.video_workers)
+                request_id, (), (), 0, 0, SlaHints(), exclude_ids, video=video,
+                embedding=embedding))
+        return RouteDecision(decode_workers=(),
+                             video_workers=tuple(_ref(w) for w in reply.video_workers),
+                             embedding_workers=tuple(_ref(w) for w in reply.embedding_workers))
 
     async def _route(self, request: router_pb2.RouteRequest, timeout_s: float
                      ) -> router_pb2.RouteResponse | None:
@@ -241,7 +255,7 @@ class RouterClient:
         if now < self._snapshot_due or self._snapshot_task is not None:
             return
         self._snapshot_due = now + self.snapshot_interval_s
-        self._snapshot_task = self._spawn(self._refresh_snapshot(replica), self._background)
+        self._snapshot_task = spawn(self._refresh_snapshot(replica), self._background)
         self._snapshot_task.add_done_callback(self._snapshot_done)
 
     def _snapshot_done(self, task: asyncio.Task[None]) -> None:
@@ -310,7 +324,7 @@ class RouterClient:
 
     def _start_flush(self, replica: Replica) -> None:
         replica.flush_timer = None
-        self._spawn(self._flush(replica), self._flushes)
+        spawn(self._flush(replica), self._flushes)
 
     async def _flush(self, replica: Replica) -> None:
         pending = replica.take_pending()
@@ -331,14 +345,6 @@ class RouterClient:
                                if r.state is ReplicaState.UP))
 
     # ---- lifecycle --------------------------------------------------------------------------
-
-    @staticmethod
-    def _spawn(coro: Coroutine[object, object, None], tasks: set[asyncio.Task[None]]
-               ) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return task
 
     async def close(self) -> None:
         for task in list(self._background):

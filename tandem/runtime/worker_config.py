@@ -10,7 +10,7 @@ from tandem.errors import InvalidRequest
 from tandem.runtime.progress import WatchdogConfig
 from tandem.runtime.tls import TlsConfig
 
-DISAGGREGATION_MODES = ("agg", "prefill", "decode", "encode")
+DISAGGREGATION_MODES = ("agg", "prefill", "decode", "encode", "embed")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class WorkerConfig:
     #: or trtllm (TensorRT-LLM).
     engine: str = "reference"
     # == disaggregation ==
-    #: agg (prefill locally, then decode), prefill, decode or encode; `tandem serve <stage>`
+    #: agg (prefill locally, then decode), prefill, decode, encode or embed; `tandem serve <stage>`
     #: sets it from the stage.
     disaggregation_mode: str = "agg"
     #: How long a prefill worker keeps a request's KV blocks for its decode worker to read,

@@ -23,7 +23,10 @@ def test_frontend_api(fuzz_topology: Topology) -> None:
     statuses: list[int] = []
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} == {
-        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"}
+        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
+        "POST /v1/responses", "GET /v1/responses/{response_id}",
+        "DELETE /v1/responses/{response_id}", "POST /v1/messages",
+        "POST /v1/messages/count_tokens", "POST /v1/embeddings"}
     for operation in operations:
         @FUZZ
         @given(case=operation.as_strategy(), real_model=st.booleans())

@@ -46,39 +46,73 @@ HEALTH_SERVICE = {
 }
 TOPOLOGY_PROFILES = {"gpu": {"frontend", "router", "prefill", "decode"},
                      "cpu": {"frontend", "router", "prefill", "decode"},
-                     "encode": {"encode"}, "video": {"video"}}
+                     "encode": {"encode"}, "video": {"video"}, "embedding": {"embed"}}
+#: Stages on one GPU with the reference engine (diffusers; embeddings: TensorRT-LLM has neither).
+REFERENCE_GPU_STAGES = {"video", "embed"}
+#: Router pools whose workers run in a profile of their own: pool kind -> compose service.
+OWN_PROFILE_POOLS = {"encode": "encode", "video": "video", "embedding": "embed"}
 OBSERVABILITY = {"prometheus", "grafana", "jaeger"}
 
 
 # ---- helpers --------------------------------------------------------------------------------
 
-_VARIABLE = re.compile(r"\$\$|\$\{(?P<braced>[A-Za-z_]\w*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
-                       r"|\$(?P<bare>[A-Za-z_]\w*)")
+_VARIABLE = re.compile(r"\$\{(?P<braced>[A-Za-z_]\w*)(?P<op>:?[-?])?|\$(?P<bare>[A-Za-z_]\w*)")
+
+
+def _closing_brace(text: str, start: int) -> int:
+    """Index of the `}` that closes a braced expression whose argument starts at `start`
+    (arguments may hold braced expressions themselves)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text.startswith("${", i):
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return i
+            depth -= 1
+    raise AssertionError(f"unclosed ${{ in {text!r}")
+
+
+def _interpolate_str(text: str, env: Mapping[str, str]) -> str:
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+            continue
+        m = _VARIABLE.match(text, i) if text[i] == "$" else None
+        if m is None:
+            out.append(text[i])
+            i += 1
+            continue
+        name, op = m.group("braced") or m.group("bare"), m.group("op")
+        arg, i = "", m.end()
+        if m.group("braced"):
+            end = _closing_brace(text, i)
+            assert op or end == i, f"unsupported expression in {text!r}"
+            arg, i = text[i:end], end + 1
+        current = env.get(name)
+        unset = current is None or (current == "" and op is not None and op.startswith(":"))
+        if not unset:
+            out.append(str(current))
+        elif op in (":-", "-"):
+            out.append(_interpolate_str(arg, env))  # defaults may name variables too
+        else:
+            raise AssertionError(f"compose variable {name} is required ({arg or 'no default'})")
+    return "".join(out)
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
     """Compose's variable interpolation (${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err},
-    $$) over every string of a loaded compose file."""
+    $$, defaults that are expressions themselves: ${A:-${B:-x}}) over every string of a loaded
+    compose file."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
         return [interpolate(v, env) for v in value]
     if not isinstance(value, str):
         return value
-
-    def substitute(m: re.Match[str]) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name, op, arg = m.group("braced") or m.group("bare"), m.group("op"), m.group("arg")
-        current = env.get(name)
-        unset = current is None or (current == "" and op is not None and op.startswith(":"))
-        if not unset:
-            return str(current)
-        if op in (":-", "-"):
-            return arg
-        raise AssertionError(f"compose variable {name} is required ({arg or 'no default'})")
-
-    return _VARIABLE.sub(substitute, value)
+    return _interpolate_str(value, env)
 
 
 def load_compose() -> dict[str, Any]:
@@ -214,6 +248,13 @@ def test_interpolation_needs_no_variables_and_honours_them() -> None:
     assert {v["source"] for v in gpu["decode"]["volumes"] if isinstance(v, dict)} == {
         "/data/llama"}
     assert gpu["decode"]["build"]["args"]["TRTLLM_TAG"] == "9.9.9"
+    # The embedding model's directory falls back to MODEL_DIR (a path that exists), so a
+    # frontend without embeddings starts wherever the main checkpoint is.
+    for name in ("frontend", "embed"):
+        assert ("/data/llama", "/embed-model") in bind_mounts(gpu[name]), name
+    embedding = interpolate(raw, {"MODEL_DIR": "/data/llama", "EMBEDDING_MODEL_DIR": "/data/e5"})
+    for name in ("frontend", "embed"):
+        assert ("/data/e5", "/embed-model") in bind_mounts(embedding["services"][name]), name
     with pytest.raises(AssertionError, match="required"):
         interpolate("${NEEDED:?set it}", {})
 
@@ -240,7 +281,7 @@ def test_every_tandem_command_parses_with_the_cli() -> None:
     compose = load_compose()
     services = tandem_services(compose)
     parsed = parsed_services(compose)
-    assert len(parsed) == len(services) == 10
+    assert len(parsed) == len(services) == 11
     for name, (stage, config) in parsed.items():
         assert config.host == "0.0.0.0", f"{name} must listen on every interface"
         assert config.grace_period_s > 0
@@ -288,9 +329,13 @@ def test_gpu_workers_run_trtllm_on_one_reserved_gpu() -> None:
                 assert (config.engine, config.engine_args.device) == ("reference", "cpu")
                 assert config.engine_args.model == "", "the cpu profile serves the demo model"
             continue
-        if stage == "video":  # diffusers on the GPU (visual_gen is not in the release image)
+        # Video: diffusers on the GPU (visual_gen is not in the release image). Embeddings:
+        # TensorRT-LLM has no embedding path. Both run in the TensorRT-LLM image (CUDA torch).
+        if stage in REFERENCE_GPU_STAGES:
             assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
             assert (config.engine, config.engine_args.device) == ("reference", "cuda")
+            assert re.search(r"^FROM nvcr\.io/nvidia/tensorrt-llm/release:\$\{TRTLLM_TAG\}$",
+                             dockerfile, re.M), name
             continue
         if stage not in WORKER_STAGES:
             assert devices == [], f"{name} needs no GPU"
@@ -346,7 +391,8 @@ def test_referenced_files_exist() -> None:
             assert dockerfile_of(service).is_file(), name
             checked += 1
         for source, _ in bind_mounts(service):
-            # MODEL_DIR's and VIDEO_MODEL_DIR's defaults: the user's checkpoints.
+            # MODEL_DIR's, EMBEDDING_MODEL_DIR's and VIDEO_MODEL_DIR's defaults: the
+            # user's checkpoints.
             if not source.startswith(("./models", "./video-models")):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
                 checked += 1
@@ -370,14 +416,15 @@ def test_router_pools_point_at_the_worker_services() -> None:
         _, router = topology["router"]
         assert isinstance(router, RouterConfig)
         kinds = {"prefill": "prefill", "decode": "decode"}
-        assert sorted(p.kind for p in router.pools) == sorted([*kinds.values(), "encode",
-                                                               "video"])
+        assert sorted(p.kind for p in router.pools) == sorted([*kinds.values(),
+                                                               *OWN_PROFILE_POOLS])
         for pool in router.pools:
             assert pool.dns and not pool.workers, "DNS pools follow `--scale`"
             host, _, port = pool.dns.rpartition(":")
-            if pool.kind in ("encode", "video"):  # their workers run in their own profiles
-                _, worker = parse_serve(services[pool.kind]["command"])
-                assert host in dns_names(pool.kind, services[pool.kind])
+            if pool.kind in OWN_PROFILE_POOLS:  # their workers run in their own profiles
+                name = OWN_PROFILE_POOLS[pool.kind]
+                _, worker = parse_serve(services[name]["command"])
+                assert host in dns_names(name, services[name])
                 assert int(port) == worker.port
                 continue
             stage = next(s for s, k in kinds.items() if k == pool.kind)
@@ -390,6 +437,32 @@ def test_router_pools_point_at_the_worker_services() -> None:
         host, _, port = frontend.router_address.removeprefix("dns:").rpartition(":")
         assert host in dns_names(topology["router"][0], services[topology["router"][0]])
         assert int(port) == router.port
+
+
+def test_gpu_frontend_embeds_with_the_embedding_profiles_model() -> None:
+    """/v1/embeddings is off unless EMBEDDING_SERVED_MODEL_NAME is set; set, the gpu frontend
+    serves the embed worker's model by the worker's served name, with the tokenizer from the
+    directory the worker loads."""
+    raw = yaml.safe_load(COMPOSE.read_text())
+
+    def frontend_and_embed(env: dict[str, str]) -> tuple[FrontendConfig, WorkerConfig]:
+        services = interpolate(raw, env)["services"]
+        frontend = services["frontend"]
+        frontend_env = {k: str(v) for k, v in frontend["environment"].items()}
+        _, config = parse_serve(frontend["command"], frontend_env)
+        _, embed = parse_serve(services["embed"]["command"])
+        mounts = {t: s for s, t in bind_mounts(frontend)}
+        assert mounts[config.embedding_model_path] == {
+            t: s for s, t in bind_mounts(services["embed"])}[embed.engine_args.model]
+        return config, embed
+
+    off, _ = frontend_and_embed({})
+    assert off.embedding_model == ""
+    for env in ({"EMBEDDING_SERVED_MODEL_NAME": "e5"},
+                {"EMBEDDING_SERVED_MODEL_NAME": "e5", "EMBEDDING_MODEL_DIR": "/data/e5",
+                 "MODEL_DIR": "/data/llama"}):
+        on, embed = frontend_and_embed(env)
+        assert on.embedding_model == embed.served_model_name == "e5"
 
 
 def test_gpu_and_cpu_profiles_run_the_same_topology() -> None:
@@ -445,9 +518,9 @@ def test_compose_agrees_with_tandem_up(tmp_path: pathlib.Path) -> None:
         for theirs in configs:
             assert _comparable(theirs) == _comparable(ours), stage
     _, router = compose["router"]
-    # The encode pool stays empty unless the encode profile runs (`tandem up` adds one only
-    # with --encode-ports).
+    # The encode, video and embedding pools stay empty unless their profiles run (`tandem up`
+    # adds them only when asked, e.g. --encode-ports).
     assert sorted(p.kind for p in up_stages["router"][0].resolved_pools()) == sorted(
-        p.kind for p in router.resolved_pools() if p.kind not in ("encode", "video"))
+        p.kind for p in router.resolved_pools() if p.kind not in OWN_PROFILE_POOLS)
     assert up_stages["frontend"][0].router_address.rpartition(":")[2] == str(router.port)
     assert compose["frontend"][1].router_address.rpartition(":")[2] == str(router.port)

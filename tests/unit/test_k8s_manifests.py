@@ -1,7 +1,8 @@
 """deploy/k8s: the manifests parse, one Deployment per stage runs a command this version's CLI
 accepts, workers probe the gRPC health service, drain inside their termination grace and
 request GPUs, the router's DNS pools name the workers' headless Services, and the
-ServiceMonitor finds every metrics port. The topology matches compose's gpu profile."""
+ServiceMonitor finds every metrics port. The topology matches compose's gpu profile (and its
+encode and embedding profiles); the frontend's embedding model is the embed workers' model."""
 from __future__ import annotations
 
 import pathlib
@@ -23,8 +24,12 @@ from tandem.video.config import VideoWorkerConfig
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "compose.yaml"
-STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode", "video"}
+STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode", "embed", "video"}
 WORKER_STAGES = set(STAGES)
+#: Stages on one GPU with the reference engine (diffusers; embeddings: TensorRT-LLM has neither).
+REFERENCE_GPU_STAGES = {"video", "embed"}
+#: The router pool kind of each worker stage (the stage's own name unless listed).
+POOL_KIND = {"embed": "embedding"}
 HEALTH_SERVICE = {
     "frontend": inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     "router": router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -122,7 +127,7 @@ def test_every_manifest_parses_and_is_listed() -> None:
     kinds = [d["kind"] for d in manifests()]
     for doc in manifests():
         assert doc["apiVersion"] and doc["metadata"]["name"]
-    assert kinds.count("Deployment") == 6
+    assert kinds.count("Deployment") == len(STAGE_NAMES) == 7
     assert kinds.count("ServiceMonitor") == 1 and kinds.count("ConfigMap") == 1
     assert set(of_kind("Namespace")) == {namespace()}
 
@@ -136,7 +141,7 @@ def test_one_deployment_per_stage(tmp_path: pathlib.Path) -> None:
 
 def test_container_commands_parse_with_the_cli(tmp_path: pathlib.Path) -> None:
     stages = parsed(tmp_path)
-    assert len(stages) == 6
+    assert len(stages) == len(STAGE_NAMES)
     for stage, (deployment, config) in stages.items():
         assert config.host == "0.0.0.0", stage
         ports = {p["containerPort"] for p in container(deployment)["ports"]}
@@ -198,13 +203,18 @@ def test_gpu_stages_request_one_gpu_and_every_container_has_resources(
         resources = container(deployment)["resources"]
         assert resources["requests"]["cpu"] and resources["requests"]["memory"], stage
         assert resources["limits"]["memory"], stage
-        if (stage in WORKER_STAGES and config.engine == "trtllm") or stage == "video":
-            assert resources["requests"]["nvidia.com/gpu"] == 1
-            assert resources["limits"]["nvidia.com/gpu"] == 1
+        if stage in REFERENCE_GPU_STAGES:
+            assert (config.engine, config.engine_args.device) == ("reference", "cuda"), stage
+        elif stage in WORKER_STAGES:
+            assert config.engine == "trtllm", stage
+        if stage in WORKER_STAGES or stage in REFERENCE_GPU_STAGES:
+            assert resources["requests"]["nvidia.com/gpu"] == 1, stage
+            assert resources["limits"]["nvidia.com/gpu"] == 1, stage
+            assert container(deployment)["image"].startswith("tandem-trtllm:"), stage
             gpus += 1
         else:
             assert "nvidia.com/gpu" not in resources["limits"], stage
-    assert gpus == len(WORKER_STAGES) + 1  # and the video worker
+    assert gpus == len(WORKER_STAGES | REFERENCE_GPU_STAGES)  # and the video worker
 
 
 # ---- discovery ------------------------------------------------------------------------------
@@ -214,17 +224,16 @@ def test_router_pools_resolve_the_headless_services(tmp_path: pathlib.Path) -> N
     router = stages["router"][1]
     assert isinstance(router, RouterConfig)
     pools = {p.kind: p for p in router.pools}
-    assert set(pools) == {"prefill", "decode", "encode", "video"}
+    assert set(pools) == {"prefill", "decode", "encode", "video", "embedding"}
     for stage in [*WORKER_STAGES, "video"]:
         deployment, worker = stages[stage]
         service = headless_service(stage, deployment)
         ports = {p["name"]: p for p in service["spec"]["ports"]}
         assert ports["grpc"]["port"] == worker.port
         assert ports["grpc"]["targetPort"] in {p["name"] for p in container(deployment)["ports"]}
-        if stage not in pools:
-            continue
+        pool = pools[POOL_KIND.get(stage, stage)]
         expected = f"{service['metadata']['name']}.{namespace()}.svc.cluster.local:{worker.port}"
-        assert pools[stage].dns == expected and not pools[stage].workers
+        assert pool.dns == expected and not pool.workers, stage
         if stage != "video":  # no KV blocks there
             assert router.block_size == worker.engine_args.kv_block_size
 
@@ -279,7 +288,7 @@ def _compose_gpu_workers() -> dict[str, WorkerConfig]:
     for service in compose["services"].values():
         command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in service.get("command", [])]
         if (command[:2] == ["tandem", "serve"] and command[2] in WORKER_STAGES
-                and service.get("profiles") in (["gpu"], ["encode"])):
+                and service.get("profiles") in (["gpu"], ["encode"], ["embedding"])):
             stage, config = parse_serve(command)
             out[stage] = config
     return out
@@ -301,6 +310,33 @@ def test_k8s_runs_compose_gpu_topology(tmp_path: pathlib.Path) -> None:
         p["kind"] for p in compose_router["pools"])
     assert router.block_size == compose_router["block_size"]
     assert router.metrics_port == compose_router["metrics_port"]
+
+
+def _pvc_mounted_at(deployment: dict[str, Any], path: str) -> str:
+    """The PersistentVolumeClaim mounted read-only at `path` in the Deployment's container."""
+    mount = next(m for m in container(deployment)["volumeMounts"] if m["mountPath"] == path)
+    assert mount.get("readOnly") is True, path
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    return volume["persistentVolumeClaim"]["claimName"]
+
+
+def test_frontend_embeds_with_the_embed_workers_model(tmp_path: pathlib.Path) -> None:
+    """The frontend's embedding model (off by default) is the embed workers' served model, its
+    tokenizer read from the same volume the workers load the weights from."""
+    stages = parsed(tmp_path)
+    deployment, frontend = stages["frontend"]
+    env = {e["name"]: e["value"] for e in container(deployment)["env"] if "value" in e}
+    _, with_env = parse_serve(argv_of(deployment, tmp_path), env)
+    assert isinstance(with_env, FrontendConfig) and with_env.embedding_model == ""  # off
+    embed = stages["embed"][1]
+    _, on = parse_serve(argv_of(deployment, tmp_path),
+                        {**env, "TANDEM_EMBEDDING_MODEL": embed.served_model_name})
+    assert on.embedding_model == embed.served_model_name
+    claim = _pvc_mounted_at(stages["embed"][0], embed.engine_args.model)
+    assert claim in {d["metadata"]["name"] for d in of_kind("PersistentVolumeClaim").values()}
+    assert claim != _pvc_mounted_at(deployment, frontend.model)  # its own checkpoint
+    assert _pvc_mounted_at(deployment, on.embedding_model_path) == claim
 
 
 def test_a_failing_service_writes_its_reason_where_kubernetes_reads_it() -> None:

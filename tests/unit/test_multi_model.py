@@ -89,3 +89,19 @@ def test_models_share_one_registry_under_their_labels() -> None:
     assert 'tandem_frontend_inflight_requests{model="beta"} 0.0' in text
     assert 'tandem_frontend_requests_total{endpoint="chat_completions",model="beta",' \
            'status="200"} 1.0' in text
+
+
+def test_an_embedding_model_beside_the_text_model_shares_its_router(
+        tmp_path: pathlib.Path) -> None:
+    # compose and Kubernetes: one router, its embedding pool beside the text pools.
+    config = load(FrontendConfig, tmp_path, {"router_address": "dns:router:9100",
+                                             "embedding_model": "embed",
+                                             "embedding_model_path": "/embed-model"})
+    text, embed = served_models(config)  # type: ignore[arg-type]
+    assert (text.kind, embed.kind) == ("text", "embedding")
+    assert (embed.name, embed.model, embed.router_address) == (
+        "embed", "/embed-model", "dns:router:9100")
+    config = load(FrontendConfig, tmp_path, {"embedding_model": "embed"})
+    with pytest.raises(InvalidRequest) as info:
+        served_models(config)  # type: ignore[arg-type]
+    assert info.value.param == "embedding_model_path"

@@ -131,6 +131,11 @@ def create_mock_engine(args: EngineArgs) -> MockEngine:
         raise InvalidRequest("the mock engine has no vision encoder, so it cannot run an encode "
                              "worker; use --engine reference (or trtllm) with a vision model",
                              param="engine")
+    if args.embed_only:
+        # Made-up vectors would look like embeddings to every check downstream.
+        raise InvalidRequest("the mock engine computes no embeddings, so it cannot run an "
+                             "embedding worker; use --engine reference with an embedding model",
+                             param="engine")
     if args.speedup_ratio < 0:
         raise InvalidRequest(f"speedup_ratio must be >= 0, got {args.speedup_ratio}",
                              param="speedup_ratio")

@@ -28,6 +28,7 @@ from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
+from tandem.engines.reference.embed_engine import ReferenceEmbedEngine, create_embed_engine
 from tandem.engines.reference.encode_engine import (
     ReferenceEncodeEngine,
     create_encode_engine,
@@ -254,7 +255,8 @@ def _num_blocks(args: EngineArgs, bytes_per_block: int, device: torch.device) ->
     return blocks
 
 
-def create_reference_engine(args: EngineArgs) -> ReferenceEngine | ReferenceEncodeEngine:
+def create_reference_engine(
+        args: EngineArgs) -> ReferenceEngine | ReferenceEncodeEngine | ReferenceEmbedEngine:
     validate_args(args)
     if args.load_format not in ("auto", "dummy"):
         raise InvalidRequest(f"load_format must be auto or dummy, got '{args.load_format}'",
@@ -269,7 +271,13 @@ def create_reference_engine(args: EngineArgs) -> ReferenceEngine | ReferenceEnco
     dtype = _dtype(args.dtype, config.dtype, device)
     if args.encode_only:  # an encode worker: the vision model alone, no language model
         return create_encode_engine(args, config, device, dtype)
+    if args.embed_only:  # an embedding worker: pooled hidden states, no KV pool
+        return create_embed_engine(args, config, device, dtype)
     model, spec = load_model(args.model, dtype, device, args.load_format, args.seed)
+    if spec.base_model:
+        raise InvalidRequest(f"{args.model} is a base model ({config.architecture}: no "
+                             "language-model head), fit for embeddings only: serve it on an "
+                             "embedding worker (`tandem serve embed`)", param="model")
     encoder = create_image_encoder(args, device, dtype)
     element = torch.tensor([], dtype=dtype).element_size()
     bytes_per_block = (2 * spec.num_layers * args.kv_block_size * spec.num_kv_heads

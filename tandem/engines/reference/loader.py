@@ -77,7 +77,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
                              param="dtype")
     spec = dataclasses.replace(spec, dtype=dtype)
     files: dict[pathlib.Path, list[str]] = {}
-    rename: Callable[[str], str | None] = _text_name if spec.wrapper else _same_name
+    rename: Callable[[str], str | None] = (_text_name if spec.wrapper else _base_name
+                                           if spec.base_model else _same_name)
     if spec.family == "mixtral":
         rename = _then_mixtral_name(rename)
     names: set[str | None] = set()
@@ -162,6 +163,11 @@ def _read_config(root: pathlib.Path) -> dict[str, Any]:
 
 def _same_name(name: str) -> str | None:
     return name
+
+
+def _base_name(name: str) -> str | None:
+    """A base-model checkpoint's tensor name (no "model." prefix) -> the causal-LM name."""
+    return name if name.startswith("model.") else f"model.{name}"
 
 
 def _then_mixtral_name(rename: Callable[[str], str | None]) -> Callable[[str], str | None]:

@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 #: Families whose MLPs are (some or all) sparse mixtures of experts.
 MOE_FAMILIES = frozenset({"mixtral", "qwen3_moe"})
 
+#: Base-model architectures (embedding checkpoints) -> the causal LM whose body they are.
+BASE_MODELS = {arch.replace("ForCausalLM", "Model"): arch for arch in SUPPORTED_ARCHITECTURES}
 #: The text_config model_type of a multimodal model -> the matching causal-LM architecture.
 _TEXT_MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
@@ -90,6 +92,9 @@ class ModelSpec:
     router_weights_float32: bool = False
     #: Per layer: True where the MLP is a sparse MoE block; empty for a dense model.
     sparse_layers: tuple[bool, ...] = ()
+    #: The checkpoint is the base model (`LlamaModel`, ...: tensor names without "model.", no
+    #: lm_head), as embedding models are saved: fit for embeddings only.
+    base_model: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -128,6 +133,10 @@ class ModelSpec:
         if architecture in LLAVA_ARCHITECTURES:
             return dataclasses.replace(cls.from_config(_text_config(config)),
                                        wrapper=architecture)
+        causal = BASE_MODELS.get(architecture)
+        if causal is not None:
+            return dataclasses.replace(cls.from_config({**config, "architectures": [causal]}),
+                                       base_model=True)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise InvalidRequest(
                 f"unsupported model architecture {architecture!r}; the reference engine supports "

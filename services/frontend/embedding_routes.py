@@ -1,0 +1,62 @@
+"""`POST /v1/embeddings`: the body to an EmbeddingRequest, the named embedding model's Embedder
+(inside an admission slot), its answer as OpenAI's embeddings object; errors as OpenAI error
+JSON."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from tandem.engines.types import Usage
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.frontend import json_body
+from tandem.frontend.embeddings import embedding_response, parse_embedding_request
+from tandem.frontend.errors import http_error
+from tandem.frontend.metrics import CLIENT_CLOSED
+from tandem.frontend.served_models import ServedModels
+from tandem.runtime.server import Draining
+
+log = logging.getLogger(__name__)
+_RETRYABLE = frozenset({429, 503})
+
+
+class EmbeddingRoutes:
+    def __init__(self, models: ServedModels, draining: Draining) -> None:
+        self.served = models
+        self.draining = draining
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/embeddings", self.embeddings)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        tracker = self.served.default.pipeline.metrics.track("embeddings")
+        try:
+            if self.draining.active:
+                raise Unavailable("the frontend is draining")
+            req = parse_embedding_request(json_body.loads(await request.read()))
+            frontend = self.served.get(req.model)
+            tracker.relabel(frontend.pipeline.metrics)
+            embedder = frontend.embedder
+            if embedder is None:
+                raise InvalidRequest(f"model '{req.model}' generates text; it has no embedding "
+                                     "workers", param="model")
+            timeout_s = frontend.request_timeout_s
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            async with frontend.admission.slot(deadline):
+                result = await embedder.embed(req, timeout_s)
+        except web.HTTPException:
+            raise  # e.g. 413: json_errors gives it the OpenAI shape
+        except (asyncio.CancelledError, ConnectionResetError):
+            tracker.finish(CLIENT_CLOSED)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
+            status, body = http_error(exc)
+            if status >= 500 and status not in _RETRYABLE:
+                log.error("embedding request failed", exc_info=exc)
+            tracker.finish(str(status))
+            headers = {"Retry-After": "1"} if status in _RETRYABLE else None
+            return web.json_response(body, status=status, headers=headers)
+        tracker.finish("200", Usage(result.prompt_tokens, 0))
+        return web.json_response(embedding_response(req.model, result, req.encoding_format))
