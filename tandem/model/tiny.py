@@ -41,6 +41,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 48, "norm_topk_prob": True,
                                      "mlp_only_layers": [1], "use_sliding_window": False}),
+    # gpt-oss: attention biases and sinks; layers alternate sliding (window 8, one KV block of
+    # the tests) and full; YaRN with an original context of 64 (factor 8 = 512 / 64), so one
+    # of the 8 frequencies of a 16-wide head is kept, one blended and the rest interpolated;
+    # 4 biased experts of width 128, top-2. swiglu_limit 2 (gpt-oss: 7) makes the clamps bite
+    # at these weights. Untied, as gpt-oss is.
+    "gpt_oss": ("GptOssConfig", {
+        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 2.0,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 64},
+    }),
 }
 #: Std of the random matrices; norm weights are 1 + N(0, 0.1^2), biases N(0, 0.1^2).
 WEIGHT_STD = 0.2
@@ -54,7 +67,7 @@ def write_tiny_model(path: str | pathlib.Path, family: str, seed: int = 0, *,
 
     Args:
         family: one of FAMILIES ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-            "qwen3_moe").
+            "qwen3_moe", "gpt_oss").
         seed: decides every weight; the same seed gives the same tensors.
         tokenizer_dir: where tokenizer.json and tokenizer_config.json come from (and the special
             token ids, from its config.json); default: the demo model (built on first use).

@@ -16,7 +16,7 @@ from tandem.engines.reference.engine import ReferenceEngine, create_reference_en
 from tandem.engines.types import EngineRequest, FinishReason, SamplingParams
 from tandem.model.tiny import write_tiny_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt_oss"]
 NEW_TOKENS = 10
 
 

@@ -216,9 +216,9 @@ def test_unsupported_architecture_is_named(tmp_path: pathlib.Path) -> None:
 def test_unsupported_rope_type_is_named(families: dict[str, Family],
                                         tmp_path: pathlib.Path) -> None:
     config = json.loads((families["llama"].path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InvalidRequest, match="yarn"):
+    with pytest.raises(InvalidRequest, match="longrope"):
         ModelSpec.from_dir(tmp_path)
 
 

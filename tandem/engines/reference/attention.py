@@ -5,6 +5,8 @@ Two paths, both on torch's scaled_dot_product_attention:
     host syncs: every length it needs is already a Python int in AttentionMetadata).
   * `decode_attention`: every sequence has one new token; all sequences in ONE SDPA over a padded
     gather of their blocks, masked by `context_lens_t`. No loop, no host sync: the GPU decode path.
+With attention sinks (gpt-oss) both paths compute the same attention in plain matmuls instead
+(`sink_attention`), since SDPA has no place for the sink's extra logit.
 """
 from __future__ import annotations
 
@@ -29,11 +31,39 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention whose denominator also holds exp(sinks[h]), a per-head logit that
+    attends to no value, as in gpt-oss (transformers' eager attention, step for step).
+
+    Args:
+        q: [B, heads, Tq, D]; k, v: [B, kv_heads, Tk, D] (query head h reads kv head
+            h // (heads // kv_heads)).
+        mask: bool, broadcastable to [B, heads, Tq, Tk], True where a query sees a key.
+        sinks: [heads].
+    Returns:
+        [B, heads, Tq, D] in q's dtype.
+    """
+    batch, num_heads, num_queries, head_size = q.shape
+    group = num_heads // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * head_size ** -0.5
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(q.dtype).reshape(1, -1, 1, 1).expand(batch, -1, num_queries, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs, v)
+
+
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, heads, head_size] (new tokens, grouped by sequence as in
     `meta.query_start_loc`) over each sequence's cached context. The new tokens of a sequence are
-    the LAST positions of its context. Returns [T, heads, head_size] in q's dtype."""
+    the LAST positions of its context. `sinks` [heads]: attention sinks (`sink_attention`), or
+    None. Returns [T, heads, head_size] in q's dtype."""
     out = torch.empty_like(q)
     block_size = meta.block_size
     k_blocks, v_blocks = kv_layer[0], kv_layer[1]
@@ -46,6 +76,10 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
         k = k_blocks[block_ids].flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
         v = v_blocks[block_ids].flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        if sinks is not None:
+            visible = _visible(num_new, context_len, sliding_window, q.device)
+            out[start:end] = sink_attention(qs, k, v, visible, sinks).squeeze(0).transpose(0, 1)
+            continue
         mask = _prefill_mask(num_new, context_len, sliding_window, q.device)
         # is_causal aligns the diagonal top-left, which is right only when nothing was cached.
         causal = mask is None and num_new == context_len and num_new > 1
@@ -58,26 +92,34 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
 def _prefill_mask(num_new: int, context_len: int, sliding_window: int | None,
                   device: torch.device) -> torch.Tensor | None:
     """[num_new, context_len] bool (True = attend), or None where plain causal/full will do."""
-    first = context_len - num_new  # position of the first new token
     window_matters = sliding_window is not None and context_len > sliding_window
     if not window_matters and (num_new == context_len or num_new == 1):
         return None
+    return _visible(num_new, context_len, sliding_window, device)
+
+
+def _visible(num_new: int, context_len: int, sliding_window: int | None,
+             device: torch.device) -> torch.Tensor:
+    """[num_new, context_len] bool: which keys each of the last `num_new` positions sees."""
+    first = context_len - num_new  # position of the first new token
     q_pos = torch.arange(first, context_len, device=device)[:, None]
     k_pos = torch.arange(context_len, device=device)[None, :]
     mask = k_pos <= q_pos
-    if sliding_window is not None and window_matters:
+    if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [S, heads, head_size], in one batched SDPA.
 
     Keys are gathered for the full width of `meta.block_tables` (so the engine should pad it to
     the batch's longest table, not to the model length) and masked to `context_lens_t`. Query
     heads are folded into the query-length axis ([S, kv_heads, group, D]) so that GQA needs no
     repeat of K/V and no `enable_gqa`, which leaves every SDPA backend eligible on CUDA.
+    With `sinks` [heads] the same masked attention runs through `sink_attention`.
     """
     num_seqs, num_heads, head_size = q.shape
     kv_heads = kv_layer.shape[3]
@@ -91,6 +133,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMet
     mask = k_pos < context_lens
     if sliding_window is not None:
         mask &= k_pos > context_lens - 1 - sliding_window
+    if sinks is not None:
+        o = sink_attention(q.unsqueeze(2), k, v, mask[:, None, None, :], sinks)
+        return o.reshape(num_seqs, num_heads, head_size)
     qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_size)
     o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype),
                                        attn_mask=mask[:, None, None, :])
@@ -99,7 +144,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMet
 
 class Attention(nn.Module):
     """One layer's attention: fused qkv projection, optional q/k RMSNorm (Qwen3), RoPE, paged
-    attention, o_proj. `qkv_proj.weight` rows are [q | k | v] in HF's head order."""
+    attention (with gpt-oss's sinks where the spec has them), o_proj. `qkv_proj.weight` rows
+    are [q | k | v] in HF's head order."""
 
     def __init__(self, spec: ModelSpec, sliding_window: int | None) -> None:
         super().__init__()
@@ -114,6 +160,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.attention_out_bias)
         self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_size, spec.rms_norm_eps) if spec.qk_norm else None
+        self.sinks = (nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks
+                      else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -128,15 +176,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         if meta.is_decode_only:
-            o = decode_attention(q, kv_layer, meta, self.sliding_window)
+            o = decode_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
         else:
-            o = prefill_attention(q, kv_layer, meta, self.sliding_window)
+            o = prefill_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
     def forward_fused(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
-        """`forward` through the Triton kernels (CUDA, half precision, no q/k norm): RoPE and
-        the cache write in one kernel, decode attention read in place from the blocks."""
+        """`forward` through the Triton kernels (CUDA, half precision, no q/k norm, no sinks:
+        DecoderModel._fusable sends those to `forward`): RoPE and the cache write in one
+        kernel, decode attention read in place from the blocks."""
         num_tokens = x.shape[0]
         q = kernels.rope_and_cache(kernels.linear(x, self.qkv_proj), rope_table, positions,
                                    kv_layer, meta.slot_mapping, self.num_heads,

@@ -101,10 +101,24 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         ignored = {"lm_head.weight"} if spec.tie_word_embeddings else set()  # tied: a copy
         # transformers 5 keeps experts stacked in memory; a checkpoint saved that way holds
         # `experts.gate_up_proj` itself, the usual one a tensor per expert and projection.
-        stacked = any(n is not None and n.endswith(".experts.gate_up_proj") for n in names)
+        # gpt-oss has only the stacked layout (its MXFP4 originals are refused here).
+        stacked = spec.moe_kind == "gpt_oss" or any(
+            n is not None and n.endswith(".experts.gate_up_proj") for n in names)
+        if spec.moe_kind == "gpt_oss":
+            _refuse_mxfp4(names)
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
                          spec.architecture)
     return model, spec
+
+
+def _refuse_mxfp4(names: set[str | None]) -> None:
+    """gpt-oss as OpenAI publishes it keeps its experts in MXFP4 (`*_blocks`, `*_scales`)."""
+    if any(n is not None and n.endswith(("_proj_blocks", "_proj_scales")) for n in names):
+        raise InvalidRequest("this gpt-oss checkpoint holds MXFP4-quantized experts "
+                             "(`*_blocks`/`*_scales`), which the reference engine does not "
+                             "read; dequantize it to bfloat16 first (transformers: "
+                             "Mxfp4Config(dequantize=True), then save_pretrained)",
+                             param="model")
 
 
 def load_vision(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,

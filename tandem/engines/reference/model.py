@@ -1,9 +1,9 @@
-"""DecoderModel: one module covering the Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE
-decoder families.
+"""DecoderModel: one module covering the Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and
+gpt-oss decoder families.
 
 The families differ only in switches that ModelSpec carries: q/k/v (and o) bias, per-head q/k
-RMSNorm, sliding windows, RoPE scaling, tied embeddings, and which layers' MLPs are sparse
-mixtures of experts (moe.py). Parameter names follow transformers minus the "model." prefix,
+RMSNorm, attention sinks, sliding windows, RoPE scaling, tied embeddings, and which layers' MLPs
+are sparse mixtures of experts and of which kind (moe.py). Parameter names follow transformers minus the "model." prefix,
 except the fused `qkv_proj` and `gate_up_proj` and the stacked experts (see loader.py).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tandem.engines.reference import kernels
 from tandem.engines.reference.attention import Attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import GatedMLP, RMSNorm
-from tandem.engines.reference.moe import SparseMoeBlock
+from tandem.engines.reference.moe import GptOssMoeBlock, SparseMoeBlock
 from tandem.engines.reference.rope import RotaryEmbedding
 from tandem.engines.reference.spec import ModelSpec
 
@@ -36,16 +36,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, sliding_window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp: GatedMLP | SparseMoeBlock = (
-            SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
-                           spec.num_experts_per_tok, spec.norm_topk_prob,
-                           spec.router_weights_float32)
-            if sparse else GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias))
+        self.mlp = _mlp(spec, sparse)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _mlp(spec: ModelSpec, sparse: bool) -> GatedMLP | SparseMoeBlock | GptOssMoeBlock:
+    if not sparse:
+        return GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+    if spec.moe_kind == "gpt_oss":
+        return GptOssMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                              spec.num_experts_per_tok, spec.swiglu_alpha, spec.swiglu_limit)
+    return SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                          spec.num_experts_per_tok, spec.norm_topk_prob,
+                          spec.router_weights_float32)
 
 
 class DecoderModel(nn.Module):
@@ -98,10 +105,11 @@ class DecoderModel(nn.Module):
 
     def _fusable(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the Triton kernels (tandem.engines.reference.kernels) serve this step:
-        CUDA, half precision, no q/k norm, head size and block size powers of two >= 16 (the
+        CUDA, half precision, no q/k norm, no attention sinks (the paged decode kernel has no
+        sink term yet: gpt-oss runs unfused), head size and block size powers of two >= 16 (the
         kernels' matrix tiles)."""
         spec = self.spec
-        return (kernels.available(hidden) and not spec.qk_norm
+        return (kernels.available(hidden) and not spec.qk_norm and not spec.attention_sinks
                 and _pow2_at_least_16(spec.head_size) and _pow2_at_least_16(meta.block_size))
 
     def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor,

@@ -1,13 +1,14 @@
-"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE: router -> top-k -> experts.
+"""The sparse mixture-of-experts MLPs: router -> top-k -> experts. `SparseMoeBlock` serves
+Mixtral and Qwen3-MoE, `GptOssMoeBlock` gpt-oss (biases everywhere, a clamped SwiGLU).
 
 Parameter names follow transformers 5's in-memory modules (`gate.weight`, the router, and the
 stacked `experts.gate_up_proj` / `experts.down_proj`), so a fused-layout checkpoint loads as is;
 loader.py scatters the per-expert tensors of the usual checkpoints into the stacks.
 
-Numerics follow transformers' default experts implementation ("grouped_mm"): the router's
-logits are taken in the model dtype and its softmax in float32; each (token, slot) output is
-multiplied by its routing weight, the top-k products are summed in slot order and the sum is
-cast to the model dtype once.
+Numerics follow transformers' default experts implementation ("grouped_mm"): in
+SparseMoeBlock the router's logits are taken in the model dtype and its softmax in float32;
+each (token, slot) output is multiplied by its routing weight, the top-k products are summed in
+slot order and the sum is cast to the model dtype once.
 """
 from __future__ import annotations
 
@@ -103,3 +104,98 @@ class SparseMoeBlock(nn.Module):
         expert_ids, weights = self.route(x)
         return run_experts(x, expert_ids, weights, self.experts.gate_up_proj,
                            self.experts.down_proj)
+
+
+def _can_group(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: it exists (torch >= 2.8), runs on
+    CPU (any float dtype) or CUDA (bfloat16), and every row stride is a multiple of 16 bytes."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    if x.device.type not in ("cpu", "cuda"):
+        return False
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, weight))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   offsets: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of x [S, in], grouped by expert (`offsets` [E] int32: each group's end), times
+    their expert's weight [E, in, out] plus its bias [E, out]; `expert_ids` [S] sorted.
+
+    One grouped GEMM where torch has it (no Python loop, no host sync), else a loop over the
+    groups (reads offsets on the host)."""
+    if _can_group(x, weight):
+        out = F.grouped_mm(x, weight, offs=offsets)
+    else:
+        out = x.new_empty(x.shape[0], weight.shape[-1])
+        start = 0
+        for expert, end in enumerate(offsets.tolist()):
+            if end > start:
+                torch.mm(x[start:end], weight[expert], out=out[start:end])
+            start = end
+    return out + bias[expert_ids]
+
+
+class BiasedExperts(nn.Module):
+    """gpt-oss's stacked experts, in transformers' layout: `gate_up_proj` [E, H, 2I] (input
+    dim first; gate and up in interleaved columns: 0, 2, 4, ... gate, 1, 3, 5, ... up) with
+    `gate_up_proj_bias` [E, 2I]; `down_proj` [E, I, H] with `down_proj_bias` [E, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                                     2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of interleaved [..., 2I] gate/up columns -> [..., I]."""
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's MoE MLP: a router with bias picks the top-k logits, a softmax over just those
+    gives the weights (in the model dtype), and each token's output is the weighted sum, in
+    top-k order, of its experts' `down(clamped_swiglu(gate_up(x)))`, each linear
+    with its bias.
+
+    All (token, slot) pairs are sorted by expert and run as two grouped GEMMs, the same
+    operations as transformers' default "grouped_mm" experts, so float32 results match it
+    bit for bit."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 alpha: float, limit: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.alpha = alpha
+        self.limit = limit
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)
+        self.experts = BiasedExperts(num_experts, hidden_size, intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, K] int64, routing weights [T, K] in x's dtype) for tokens x [T, H]."""
+        top, expert_ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        return expert_ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden_size = x.shape
+        expert_ids, weights = self.route(x)
+        experts = self.experts
+        flat_ids = expert_ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat_ids, stable=True)
+        # Each expert's group ends after the last slot with an id <= its own (no host sync).
+        all_ids = torch.arange(experts.gate_up_proj.shape[0], device=x.device)
+        offsets = torch.searchsorted(sorted_ids, all_ids, right=True).to(torch.int32)
+        gate_up = grouped_linear(x[order // self.top_k], experts.gate_up_proj,
+                                 experts.gate_up_proj_bias, offsets, sorted_ids)
+        out = grouped_linear(clamped_swiglu(gate_up, self.alpha, self.limit),
+                             experts.down_proj, experts.down_proj_bias, offsets, sorted_ids)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out  # back to (token, slot) order, so the sum runs in slot order
+        return unsorted.view(num_tokens, self.top_k, hidden_size).sum(dim=1).to(x.dtype)

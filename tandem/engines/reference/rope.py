@@ -3,7 +3,8 @@
 A head vector x = [x1 | x2] (halves of head_size) at position p becomes
     [x1 * cos - x2 * sin | x2 * cos + x1 * sin],   angle = p * inv_freq[i].
 cos/sin are precomputed in float32 for every position up to max_position_embeddings and gathered
-by a positions tensor, so a step needs no per-position work on the host.
+by a positions tensor, so a step needs no per-position work on the host. YaRN (gpt-oss) also
+scales cos and sin by its attention factor, which scales q.k by its square.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from torch import nn
 from tandem.errors import InvalidRequest
 
 #: rope_type values this module implements ("default" means no scaling dict at all).
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+_REQUIRED_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
 def check_scaling(scaling: Mapping[str, Any] | None) -> None:
@@ -29,10 +33,9 @@ def check_scaling(scaling: Mapping[str, Any] | None) -> None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise InvalidRequest(f"unsupported rope_type {rope_type!r}; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}", param="model")
-    if rope_type == "llama3":
-        missing = [key for key in _LLAMA3_KEYS if key not in scaling]
-        if missing:
-            raise InvalidRequest(f"llama3 rope_scaling lacks {', '.join(missing)}", param="model")
+    missing = [key for key in _REQUIRED_KEYS.get(rope_type, ()) if scaling.get(key) is None]
+    if missing:
+        raise InvalidRequest(f"{rope_type} rope_scaling lacks {', '.join(missing)}", param="model")
 
 
 def inverse_frequencies(head_size: int, theta: float,
@@ -43,10 +46,60 @@ def inverse_frequencies(head_size: int, theta: float,
     """
     check_scaling(scaling)
     exponents = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float32) / head_size
-    inv_freq = 1.0 / (theta ** exponents)
+    pos_freqs = theta ** exponents
+    inv_freq = 1.0 / pos_freqs
     if scaling is None or scaling["rope_type"] == "default":
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_scale(pos_freqs, head_size, theta, scaling)
     return _llama3_scale(inv_freq, scaling)
+
+
+def attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: 1 except for YaRN, whose default is
+    0.1 * ln(factor) + 1 (or a ratio of such terms when `mscale` and `mscale_all_dim` are set),
+    as transformers computes it."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+def _yarn_scale(pos_freqs: torch.Tensor, head_size: int, theta: float,
+                scaling: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN: interpolate (divide by `factor`) the frequencies that rotate fewer than `beta_slow`
+    times over the original context, keep those that rotate more than `beta_fast` times, and
+    ramp linearly between; same operations and order as transformers' `_compute_yarn_parameters`.
+    `pos_freqs` is theta ** (2i / head_size), the reciprocal of the unscaled frequencies.
+    """
+    factor = float(scaling["factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_size * math.log(old_context / (num_rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = (torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)
+    extrapolation = 1 - torch.clamp(ramp, 0, 1)
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
@@ -91,7 +144,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(self.head_size, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, dtype=torch.int64, device=device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        self.cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        scale = attention_factor(self.scaling)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.cos_sin = torch.cat([cos, sin], dim=-1)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each float32 [T, 1, head_size // 2], for `apply_rope`. Positions must be

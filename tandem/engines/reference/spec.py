@@ -28,9 +28,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 #: Families whose MLPs are (some or all) sparse mixtures of experts.
-MOE_FAMILIES = frozenset({"mixtral", "qwen3_moe"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen3_moe", "gpt_oss"})
+#: gpt-oss's defaults where its config.json is silent (transformers' GptOssConfig).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+_GPT_OSS_THETA = 150000.0
 
 #: Base-model architectures (embedding checkpoints) -> the causal LM whose body they are.
 BASE_MODELS = {arch.replace("ForCausalLM", "Model"): arch for arch in SUPPORTED_ARCHITECTURES}
@@ -59,7 +64,7 @@ class ModelSpec:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    #: None for plain RoPE, else a dict with "rope_type" (only "llama3" is supported) and its keys.
+    #: None for plain RoPE, else a dict with "rope_type" ("llama3" or "yarn") and its keys.
     rope_scaling: Mapping[str, Any] | None
     max_position_embeddings: int
     #: Bias on q/k/v projections (always on for Qwen2).
@@ -92,6 +97,17 @@ class ModelSpec:
     router_weights_float32: bool = False
     #: Per layer: True where the MLP is a sparse MoE block; empty for a dense model.
     sparse_layers: tuple[bool, ...] = ()
+    #: Which sparse block: "softmax_topk" (Mixtral, Qwen3-MoE: bias-free router, softmax over
+    #: all experts, then top-k; SwiGLU experts) or "gpt_oss" (router with bias, top-k logits,
+    #: then softmax over those; experts with biases and the clamped SwiGLU below).
+    moe_kind: str = "softmax_topk"
+    #: gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    #: g = clamp(gate, max=limit).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    #: A learned logit per query head that joins each softmax's denominator and attends to no
+    #: value (gpt-oss's attention sinks).
+    attention_sinks: bool = False
     #: The checkpoint is the base model (`LlamaModel`, ...: tensor names without "model.", no
     #: lm_head), as embedding models are saved: fit for embeddings only.
     base_model: bool = False
@@ -151,13 +167,19 @@ class ModelSpec:
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         num_layers = int(config["num_hidden_layers"])
+        if family == "gpt_oss":  # transformers fills these in when the config is silent
+            config = {"rope_theta": _GPT_OSS_THETA, **config}
+            if not (config.get("rope_parameters") or config.get("rope_scaling")):
+                config["rope_parameters"] = dict(_GPT_OSS_ROPE)
         rope_theta, rope_scaling = _rope_params(config)
         max_pos = int(config.get("max_position_embeddings", 2048))
         rope.check_scaling(rope_scaling)
 
         # Qwen2 hard-codes q/k/v bias and no o_proj bias; Llama and Qwen3 put both behind one flag.
-        attention_bias = family == "qwen2" or bool(config.get("attention_bias", False))
-        attention_out_bias = family != "qwen2" and bool(config.get("attention_bias", False))
+        # gpt-oss has both unless its config says otherwise.
+        has_bias = bool(config.get("attention_bias", family == "gpt_oss"))
+        attention_bias = family == "qwen2" or has_bias
+        attention_out_bias = family != "qwen2" and has_bias
 
         return cls(
             architecture=architecture,
@@ -168,7 +190,8 @@ class ModelSpec:
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_size=int(config.get("head_dim") or hidden_size // num_heads),
             vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(config.get("rms_norm_eps",
+                                          1e-5 if family == "gpt_oss" else 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -181,6 +204,7 @@ class ModelSpec:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos_ids(config.get("eos_token_id")),
             sliding_windows=_sliding_windows(config, family, num_layers),
+            attention_sinks=family == "gpt_oss",
             **_moe_fields(config, family, num_layers),
         )
 
@@ -193,7 +217,7 @@ def _moe_fields(config: Mapping[str, Any], family: str, num_layers: int) -> dict
     if family not in MOE_FAMILIES:
         return {}
     num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         sparse = (num_experts > 0,) * num_layers
         expert_size = int(config["intermediate_size"])
     else:
@@ -206,7 +230,7 @@ def _moe_fields(config: Mapping[str, Any], family: str, num_layers: int) -> dict
     if num_experts and not 0 < top_k <= num_experts:
         raise InvalidRequest(f"num_experts_per_tok={top_k} is outside 1..{num_experts} "
                              "experts", param="model")
-    return {
+    fields: dict[str, Any] = {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": expert_size,
@@ -214,6 +238,11 @@ def _moe_fields(config: Mapping[str, Any], family: str, num_layers: int) -> dict
         "router_weights_float32": family == "mixtral",
         "sparse_layers": sparse,
     }
+    if family == "gpt_oss":
+        fields.update(moe_kind="gpt_oss", norm_topk_prob=False,
+                      swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(config.get("swiglu_limit", 7.0)))
+    return fields
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -239,9 +268,11 @@ def _rope_params(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | Non
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings",
-                          config.get("max_position_embeddings", 2048))
+    if rope_type in ("llama3", "yarn"):  # transformers prefers a top-level value (Phi-3)
+        original = (config.get("original_max_position_embeddings")
+                    or params.get("original_max_position_embeddings")
+                    or config.get("max_position_embeddings", 2048))
+        params["original_max_position_embeddings"] = original
     return theta, params
 
 
@@ -266,8 +297,15 @@ def _sliding_windows(config: Mapping[str, Any], family: str,
                      num_layers: int) -> tuple[int | None, ...]:
     """Mirror transformers: Mistral and Mixtral slide on every layer when `sliding_window` is
     set; Qwen3-MoE on every layer with `use_sliding_window`; Qwen2/3 only with
-    `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks."""
+    `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks; gpt-oss
+    on the layers `layer_types` marks (by default the even ones)."""
     window = config.get("sliding_window")
+    if family == "gpt_oss":
+        window = config.get("sliding_window", 128)  # GptOssConfig's default
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        return tuple(int(window) if window and t == "sliding_attention" else None
+                     for t in layer_types)
     if family in ("mistral", "mixtral"):
         return (int(window) if window else None,) * num_layers
     if family == "qwen3_moe":
