@@ -100,10 +100,9 @@ def _serve_usage() -> str:
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("tandem")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
+    from tandem.runtime.build_info import version
+
+    return version()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,4 +10,12 @@ def register(registry: CollectorRegistry, service: str) -> None:
     """Adds the build info gauge for `service` (frontend, router, prefill, decode, encode)."""
     gauge = Gauge("tandem_build_info", "Always 1; the labels say which Tandem this is",
                   ("version", "service"), registry=registry)
-    gauge.labels(importlib.metadata.version("tandem"), service).set(1)
+    gauge.labels(version(), service).set(1)
+
+
+def version() -> str:
+    """Tandem's installed version; "(not installed)" when run from a source checkout."""
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"

@@ -1,0 +1,391 @@
+"""The whole stack on a GPU, aggregated (issue 25, item 1): the engine alone, then `tandem up`.
+
+One process, meant for one device call:
+
+1. Writes a model directory: the Llama-3.1-8B shape of reference_gpu.py with the demo tokenizer
+   (its 4,096-token vocabulary, so vocab_size 4096: every sampled id must detokenize), dummy
+   bf16 weights (`load_format: dummy`).
+2. The engine alone, offline, in its own process: for each ISL/OSL and batch B, B requests of
+   ISL prompt tokens submitted at once, OSL tokens each (greedy, ignore_eos): output tokens/s
+   (prefill included), TTFT and decode ITL (= step time) percentiles.
+3. `python -m tandem.cli up --engine reference ...` (frontend, router, one decode worker as
+   processes), waits for READY.
+4. Streamed `/v1/chat/completions` from an aiohttp load generator, at concurrency C in
+   {1, 16, 64, 128} for ISL/OSL 200/200 and 1000/1000: distinct random-token prompts of ISL
+   tokens (usage.prompt_tokens is recorded), `ignore_eos`, `max_tokens` = OSL.
+5. Prints a markdown table (served vs the engine at B = C: efficiency = served output tokens/s
+   over the engine's) and writes it with every figure as JSON into --out ($OUT by default).
+
+    PYTHONPATH=. python3 benchmarks/serve_gpu.py            # on a CUDA machine (~6 min)
+    PYTHONPATH=. python3 benchmarks/serve_gpu.py --smoke    # tiny model on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # noqa: E402
+
+#: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (3 and 4 at one stream).
+GRID = {(200, 200): [(1, 4), (16, 32), (64, 128), (128, 256)],
+        (1000, 1000): [(1, 3), (16, 32), (64, 128), (128, 256)]}
+SMOKE_GRID = {(24, 12): [(2, 4)]}
+DEMO_VOCAB = 4096
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between neighbours; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def write_model(root: pathlib.Path, shape: dict) -> pathlib.Path:
+    """A model directory: `shape` (vocab_size forced to the demo tokenizer's) with the demo
+    model's tokenizer files, chat template and special token ids; no weights (dummy load)."""
+    from tandem.model.demo import create_demo_model
+
+    demo = create_demo_model(root / "demo")
+    config = json.loads((demo / "config.json").read_text())
+    assert config["vocab_size"] == DEMO_VOCAB, config["vocab_size"]
+    config.update(shape, vocab_size=DEMO_VOCAB, torch_dtype="bfloat16", tie_word_embeddings=False)
+    config["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    model = root / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(demo / name, model / name)
+    (model / "config.json").write_text(json.dumps(config, indent=1))
+    return model
+
+
+def kv_blocks(grid: dict) -> int:
+    """Blocks for the largest concurrency at the longest ISL + OSL, plus slack."""
+    tokens = max(max(c for c, _ in points) * (isl + osl) for (isl, osl), points in grid.items())
+    return -(-tokens // BLOCK) + 256
+
+
+# ---------------------------------------------------------------- the engine alone (offline)
+
+async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict) -> dict:
+    """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
+    from tandem.engines.args import EngineArgs
+    from tandem.engines.reference.engine import create_reference_engine
+
+    batches = sorted({c for points in grid.values() for c, _ in points})
+    engine = create_reference_engine(EngineArgs(
+        model=str(model), device=device, dtype=dtype, load_format="dummy",
+        num_gpu_blocks=kv_blocks(grid), kv_block_size=BLOCK, max_batch_size=max(batches),
+        max_num_tokens=8192, enable_prefix_caching=False))
+    await engine.start()
+    rng = random.Random(1)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(5, DEMO_VOCAB - 5) for _ in range(length)] for _ in range(n)]
+
+    await generate(engine, prompts(2, 64), 8)  # warm-up (kernels compile)
+    out = {}
+    for (isl, osl), points in grid.items():
+        for batch in sorted({c for c, _ in points}):
+            await generate(engine, prompts(batch, isl), 4)  # this shape's CUDA graphs
+            sync()
+            start = time.perf_counter()
+            results = await generate(engine, prompts(batch, isl), osl)
+            sync()
+            wall = time.perf_counter() - start
+            ttft = [1000 * (times[0] - start) for _, times in results]
+            gaps = [1000 * (b - a) for _, times in results for a, b in zip(times, times[1:])
+                    if b > a]
+            tokens = sum(len(t) for t, _ in results)
+            fig = {"tps": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+                   "step_p50": pct(gaps, 50), "step_p99": pct(gaps, 99), "wall_s": wall}
+            out[f"{isl}/{osl}/{batch}"] = fig
+            print(f"engine {isl}/{osl} batch {batch}: {fig['tps']:,.0f} tok/s, TTFT p50 "
+                  f"{fig['ttft_p50']:.1f} ms, step p50 {fig['step_p50']:.2f} ms "
+                  f"({wall:.1f} s)", flush=True)
+    await engine.close()
+    return out
+
+
+def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace) -> dict:
+    """Runs `offline` in its own process, so that the GPU is whole again for the server."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "offline.json"
+        argv = [sys.executable, __file__, "--phase-offline", str(out), "--model", str(model)]
+        argv += ["--smoke"] if args.smoke else []
+        argv += ["--only", args.only] if args.only else []
+        argv += ["--concurrency", *map(str, args.concurrency)] if args.concurrency else []
+        subprocess.run(argv, check=True)
+        return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- the stack (tandem up)
+
+def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_batch: int,
+                max_seq: int, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """Starts `tandem up` in a session of its own; returns it and the HTTP base URL once it
+    printed READY (raises with the log's tail if it exits or takes too long)."""
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--engine", "reference",
+            "--model", str(model), "--served-model-name", "bench",
+            "--device", args.device, "--dtype", args.dtype, "--load-format", "dummy",
+            "--max-seq-len", str(max_seq), "--num-gpu-blocks-override", str(blocks),
+            "--kv-block-size", str(BLOCK), "--max-batch-size", str(max_batch),
+            "--max-num-tokens", "8192", "--http-port", str(args.http_port),
+            "--grpc-port", str(args.http_port + 1), "--router-port", str(args.http_port + 100),
+            "--decode-ports", str(args.http_port + 200), "--restart-policy", "no",
+            "--grace-period-s", "5", "--log-level", "warning"]
+    print("$ " + " ".join(argv[1:]), flush=True)
+    handle = log.open("w")
+    proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=tempfile.mkdtemp(prefix="tandem-up-"))
+    deadline = time.monotonic() + args.start_timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("READY "):
+                url = line.split("http=", 1)[1].split()[0]
+                return proc, url
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    stop_stack(proc)
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+    raise RuntimeError(f"tandem up did not print READY (exit {proc.poll()}):\n{tail}")
+
+
+def stop_stack(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def prompt_texts(n: int, isl: int, seed: int, overhead: int) -> list[str]:
+    """n distinct texts of `isl` - `overhead` (the chat template's tokens) demo-tokenizer
+    tokens: random ids, decoded, re-encoded and cut until the text re-encodes to that length."""
+    from tokenizers import Tokenizer
+
+    from tandem.model.demo import committed_file
+
+    tok = Tokenizer.from_str(committed_file("tokenizer.json").read_text())
+    rng = random.Random(seed)
+    target = max(1, isl - overhead)
+    texts = []
+    for _ in range(n):
+        ids = [rng.randrange(8, DEMO_VOCAB) for _ in range(target + 16)]
+        text = tok.decode(ids, skip_special_tokens=True)
+        for _ in range(8):
+            ids = tok.encode(text, add_special_tokens=False).ids
+            if len(ids) <= target:
+                break
+            text = tok.decode(ids[:target - (len(ids) > target + 4)], skip_special_tokens=True)
+        texts.append(text)
+    return texts
+
+
+async def one_request(session, url: str, text: str, osl: int) -> dict:
+    body = {"model": "bench", "messages": [{"role": "user", "content": text}],
+            "max_tokens": osl, "ignore_eos": True, "stream": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = None
+    chunks: list[float] = []
+    usage = {}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"{resp.status}: {(await resp.text())[:200]}"}
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            event = json.loads(data)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    first = first if first is not None else now
+                    last = now
+                    chunks.append(now)
+    done = time.perf_counter()
+    out_tokens = usage.get("completion_tokens", 0)
+    if first is None or out_tokens == 0:
+        return {"error": f"no tokens (usage {usage})"}
+    return {"ttft": 1000 * (first - start), "e2e": done - start, "tokens": out_tokens,
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "itl": 1000 * (last - first) / max(1, out_tokens - 1),
+            "gaps": [1000 * (b - a) for a, b in zip(chunks, chunks[1:])]}
+
+
+async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
+                overhead: int) -> dict:
+    import aiohttp
+
+    texts = prompt_texts(n, isl, seed, overhead)
+    sem = asyncio.Semaphore(conc)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+
+        async def limited(text: str) -> dict:
+            async with sem:
+                return await one_request(session, url, text, osl)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(t) for t in texts))
+        wall = time.perf_counter() - start
+    good = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    ttft = [r["ttft"] for r in good]
+    itl = [r["itl"] for r in good]
+    gaps = [g for r in good for g in r["gaps"]]
+    return {"requests": n, "ok": len(good), "errors": len(errors), "first_error": errors[:1],
+            "wall_s": wall, "tps": sum(r["tokens"] for r in good) / wall,
+            "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in good)
+            if good else 0,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
+
+
+async def served(url: str, grid: dict, deadline: float) -> dict:
+    out: dict = {}
+    # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
+    warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
+    overhead = max(0, round(warm["prompt_tokens_mean"]) - 64)
+    out["chat_template_tokens"] = overhead
+    for k, ((isl, osl), points) in enumerate(grid.items()):
+        for conc, n in points:
+            key = f"{isl}/{osl}/{conc}"
+            if time.monotonic() > deadline:
+                print(f"served {key}: skipped (time budget)", flush=True)
+                out[key] = {"skipped": True}
+                continue
+            # As the engine alone: first `conc` requests of 4 tokens at this shape (the worker
+            # captures its CUDA graphs on first use of a batch size and table width).
+            await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
+            try:  # a stalled stack must not eat the call: the point ends with the budget
+                fig = await asyncio.wait_for(
+                    drive(url, isl, osl, conc, n, seed=1000 * k + conc, overhead=overhead),
+                    timeout=max(30.0, deadline - time.monotonic() + 60))
+            except asyncio.TimeoutError:
+                print(f"served {key}: timed out", flush=True)
+                out[key] = {"skipped": True, "timed_out": True}
+                continue
+            out[key] = fig
+            print(f"served {key} x{n}: {fig['tps']:,.0f} tok/s, TTFT p50/p99 "
+                  f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms, ITL p50/p99 "
+                  f"{fig['itl_p50']:.2f}/{fig['itl_p99']:.2f} ms, prompt "
+                  f"{fig['prompt_tokens_mean']:.0f} tok, errors {fig['errors']} "
+                  f"{fig['first_error']} ({fig['wall_s']:.1f} s)", flush=True)
+    return out
+
+
+def table(grid: dict, engine: dict, stack: dict) -> str:
+    rows = ["| ISL/OSL | streams | requests | served tok/s | engine tok/s | efficiency | "
+            "TTFT p50 / p99 ms (served) | TTFT p50 / p99 ms (engine) | ITL p50 / p99 ms "
+            "(served) | step p50 / p99 ms (engine) | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (isl, osl), points in grid.items():
+        for conc, n in points:
+            key = f"{isl}/{osl}/{conc}"
+            e, s = engine.get(key, {}), stack.get(key, {})
+            if not s or s.get("skipped"):
+                rows.append(f"| {isl}/{osl} | {conc} | {n} | skipped | "
+                            f"{e.get('tps', float('nan')):,.0f} | | | | | | |")
+                continue
+            rows.append(
+                f"| {isl}/{osl} | {conc} | {n} | {s['tps']:,.0f} | {e['tps']:,.0f} | "
+                f"{s['tps'] / e['tps']:.0%} | {s['ttft_p50']:.1f} / {s['ttft_p99']:.1f} | "
+                f"{e['ttft_p50']:.1f} / {e['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
+                f"{s['itl_p99']:.2f} | {e['step_p50']:.2f} / {e['step_p99']:.2f} | "
+                f"{s['errors']} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, one point")
+    parser.add_argument("--out", default=os.environ.get("OUT", "serve_gpu_out"),
+                        help="folder for serve_gpu.json and the stack's log (default: $OUT)")
+    parser.add_argument("--only", help="ISL/OSL points to run, e.g. 200/200 (default: all)")
+    parser.add_argument("--concurrency", type=int, nargs="*",
+                        help="only these concurrencies (default: the grid's)")
+    parser.add_argument("--budget-s", type=float, default=480,
+                        help="skip served points that would start past this many seconds")
+    parser.add_argument("--http-port", type=int, default=18000)
+    parser.add_argument("--start-timeout-s", type=float, default=240)
+    parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    began = time.monotonic()
+    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    grid = dict(SMOKE_GRID if args.smoke else GRID)
+    if args.only:
+        grid = {k: v for k, v in grid.items() if f"{k[0]}/{k[1]}" in args.only.split(",")}
+    if args.concurrency:
+        grid = {k: [p for p in v if p[0] in args.concurrency] for k, v in grid.items()}
+    if args.phase_offline:
+        figures = asyncio.run(offline(pathlib.Path(args.model), args.device, args.dtype, grid))
+        pathlib.Path(args.phase_offline).write_text(json.dumps(figures))
+        return
+    shape = SMALL if args.smoke else LLAMA_8B
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = pathlib.Path(tempfile.mkdtemp(prefix="serve-gpu-"))
+    model = write_model(root, shape)
+    device_name = "cpu"
+    if not args.smoke:
+        import torch
+        device_name = torch.cuda.get_device_name()
+    print(f"device {device_name}; model {model} (vocab {DEMO_VOCAB}); grid {grid}", flush=True)
+    engine = offline_in_subprocess(model, args)
+    t_engine = time.monotonic() - began
+    max_batch = max(c for points in grid.values() for c, _ in points)
+    max_seq = max(2048, max(isl + osl for isl, osl in grid) + 64)
+    log = out_dir / "tandem_up.log"
+    proc, url = start_stack(model, args, kv_blocks(grid), max_batch, max_seq, log)
+    t_ready = time.monotonic() - began
+    print(f"READY after {t_ready - t_engine:.1f} s: {url}", flush=True)
+    try:
+        stack = asyncio.run(served(url, grid, began + args.budget_s))
+    finally:
+        stop_stack(proc)
+    result = {"device": device_name, "shape": {**shape, "vocab_size": DEMO_VOCAB},
+              "grid": {f"{i}/{o}": p for (i, o), p in grid.items()}, "engine": engine,
+              "served": stack, "seconds": {"engine": t_engine, "stack_start": t_ready - t_engine,
+                                           "total": time.monotonic() - began}}
+    text = table(grid, engine, stack)
+    result["table"] = text
+    (out_dir / "serve_gpu.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{device_name}, {'small' if args.smoke else 'Llama-3.1-8B'} shape (vocab "
+          f"{DEMO_VOCAB}), dummy {args.dtype} weights, "
+          f"one decode worker; efficiency = served output tok/s / the engine's at B = streams\n")
+    print(text)
+    print(f"\nseconds: {json.dumps({k: round(v, 1) for k, v in result['seconds'].items()})}")
+
+
+if __name__ == "__main__":
+    main()
