@@ -77,6 +77,9 @@ class FrontendMetrics:
         self._ttft = self.ttft.labels(model)
         self._itl = self.itl.labels(model)
         self._streamed = self.output_tokens_total.labels(model)
+        # Exported at 0 from the start (a labelled metric shows only the children it has).
+        self.router_fallback.labels(model)
+        self.fallback_routes.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:
         """These metrics (same collectors and registry) labelled with `model`."""

@@ -87,6 +87,9 @@ def test_models_share_one_registry_under_their_labels() -> None:
     text = generate_latest(alpha.registry).decode()
     assert 'tandem_frontend_inflight_requests{model="alpha"} 0.0' in text
     assert 'tandem_frontend_inflight_requests{model="beta"} 0.0' in text
+    for name in ("alpha", "beta"):  # at 0 before any router outage
+        assert f'tandem_frontend_router_fallback{{model="{name}"}} 0.0' in text
+        assert f'tandem_frontend_fallback_routes_total{{model="{name}"}} 0.0' in text
     assert 'tandem_frontend_requests_total{endpoint="chat_completions",model="beta",' \
            'status="200"} 1.0' in text
 
