@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.frontend.error_response import error_response
 from tandem.errors import TandemError, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend.anthropic_errors import anthropic_error
@@ -27,7 +28,6 @@ from tandem.runtime import tracing
 from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
-_RETRYABLE = frozenset({429, 503})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -152,10 +152,4 @@ class AnthropicRoutes:
         return response
 
     def _error(self, exc: BaseException, tracker: RequestTracker | None) -> web.Response:
-        status, body = anthropic_error(exc)
-        if status >= 500 and status not in _RETRYABLE:
-            log.error("request failed", exc_info=exc)
-        if tracker is not None:
-            tracker.finish(str(status))
-        headers = {"Retry-After": "1"} if status in _RETRYABLE else None
-        return web.json_response(body, status=status, headers=headers)
+        return error_response(exc, tracker, anthropic_error)

@@ -4,22 +4,18 @@ JSON."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from aiohttp import web
 
+from services.frontend.error_response import error_response
 from tandem.engines.types import Usage
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend.embeddings import embedding_response, parse_embedding_request
-from tandem.frontend.errors import http_error
 from tandem.frontend.metrics import CLIENT_CLOSED
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime.server import Draining
-
-log = logging.getLogger(__name__)
-_RETRYABLE = frozenset({429, 503})
 
 
 class EmbeddingRoutes:
@@ -52,11 +48,6 @@ class EmbeddingRoutes:
             tracker.finish(CLIENT_CLOSED)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
-            status, body = http_error(exc)
-            if status >= 500 and status not in _RETRYABLE:
-                log.error("embedding request failed", exc_info=exc)
-            tracker.finish(str(status))
-            headers = {"Retry-After": "1"} if status in _RETRYABLE else None
-            return web.json_response(body, status=status, headers=headers)
+            return error_response(exc, tracker)
         tracker.finish("200", Usage(result.prompt_tokens, 0))
         return web.json_response(embedding_response(req.model, result, req.encoding_format))

@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.frontend.error_response import error_response
 from services.frontend.openapi import openapi_document
 from tandem.errors import TandemError, Unauthenticated, Unavailable
 from tandem.frontend import json_body
@@ -27,9 +28,6 @@ from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
 OPENAPI = openapi_document()
-#: Overloaded (429) and draining/unavailable (503) are worth retrying shortly.
-_RETRYABLE = frozenset({429, 503})
-_RETRY_AFTER_S = "1"
 #: Probes and scrapers reach these without an API key; they reveal no model output.
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -73,12 +71,7 @@ class OpenAIRoutes:
         return await self._serve(request, "completion", "completions")
 
     def _error(self, exc: BaseException, tracker: RequestTracker) -> web.Response:
-        status, body = http_error(exc)
-        if status >= 500 and status not in _RETRYABLE:
-            log.error("request failed", exc_info=exc)
-        tracker.finish(str(status))
-        headers = {"Retry-After": _RETRY_AFTER_S} if status in _RETRYABLE else None
-        return web.json_response(body, status=status, headers=headers)
+        return error_response(exc, tracker)
 
     async def _serve(self, request: web.Request, kind: Kind, endpoint: str) -> web.StreamResponse:
         """One request inside its metrics and its trace (a child of the client's traceparent)."""

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from services.frontend.error_response import error_response
 from tandem.errors import TandemError, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend import responses_shapes as shapes
@@ -24,19 +25,10 @@ from tandem.runtime import logs
 from tandem.runtime.server import Draining
 
 log = logging.getLogger(__name__)
-_RETRYABLE = frozenset({429, 503})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
 
-def _error(exc: BaseException, tracker: RequestTracker | None = None) -> web.Response:
-    status, body = http_error(exc)
-    if status >= 500 and status not in _RETRYABLE:
-        log.error("request failed", exc_info=exc)
-    if tracker is not None:
-        tracker.finish(str(status))
-    headers = {"Retry-After": "1"} if status in _RETRYABLE else None
-    return web.json_response(body, status=status, headers=headers)
 
 
 class ResponsesRoutes:
@@ -54,7 +46,7 @@ class ResponsesRoutes:
         try:
             stored = self.store.get(request.match_info["response_id"])
         except ResponseNotFound as exc:
-            return _error(exc)
+            return error_response(exc)
         return web.json_response(stored.response)
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -62,7 +54,7 @@ class ResponsesRoutes:
         try:
             self.store.delete(response_id)
         except ResponseNotFound as exc:
-            return _error(exc)
+            return error_response(exc)
         return web.json_response(shapes.deleted(response_id))
 
     async def create(self, request: web.Request) -> web.StreamResponse:
@@ -97,7 +89,7 @@ class ResponsesRoutes:
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
-            return _error(exc, tracker)
+            return error_response(exc, tracker)
         token = logs.request_id_var.set(gen.request_id)
         builder = ResponseBuilder(req, frontend.model.name, frontend.chat_output(parsed))
         deltas = frontend.generate_choices(gen, 1)
@@ -110,7 +102,7 @@ class ResponsesRoutes:
                         tracker.first_token()
                         builder.delta_events(delta)
                 except Exception as exc:  # noqa: BLE001
-                    return _error(exc, tracker)
+                    return error_response(exc, tracker)
                 tracker.finish("200", builder.usage)
                 response = web.json_response(builder.response())
             if req.store and builder.status in ("completed", "incomplete"):
@@ -128,7 +120,7 @@ class ResponsesRoutes:
         try:
             first = await anext(deltas)
         except Exception as exc:  # noqa: BLE001
-            return _error(exc, tracker)
+            return error_response(exc, tracker)
         tracker.first_token()
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)

@@ -10,7 +10,6 @@ DELETE /v1/videos/{id}          cancel: the worker stops after the denoising ste
 from __future__ import annotations
 
 import base64
-import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,9 +17,10 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.frontend.error_response import error_response
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.frontend import json_body
-from tandem.frontend.errors import error_body, http_error
+from tandem.frontend.errors import error_body
 from tandem.runtime import tracing
 from tandem.runtime.server import Draining
 from tandem.video import api
@@ -28,8 +28,6 @@ from tandem.video.frontend import VideoFrontend
 from tandem.video.jobs import JobNotFound
 from tandem.video.metrics import VideoFrontendMetrics
 
-log = logging.getLogger(__name__)
-_RETRYABLE = frozenset({429, 503})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -72,11 +70,7 @@ class VideoRoutes:
         if isinstance(exc, JobNotFound):
             return web.json_response(error_body(exc.message, "invalid_request_error",
                                                 "video_id", "video_not_found"), status=404)
-        status, body = http_error(exc)
-        if status >= 500 and status not in _RETRYABLE:
-            log.error("video request failed", exc_info=exc)
-        headers = {"Retry-After": "1"} if status in _RETRYABLE else None
-        return web.json_response(body, status=status, headers=headers)
+        return error_response(exc)
 
     async def _body(self, request: web.Request) -> api.CreateVideo:
         if request.content_type.startswith("multipart/"):
