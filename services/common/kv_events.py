@@ -18,19 +18,22 @@ from tandem.v1 import kv_events_pb2_grpc
 
 class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
     def __init__(self, worker_id: str, engine: Engine, event_log: EventLog,
-                 load_interval_ms: int, draining: Draining) -> None:
+                 load_interval_ms: int, draining: Draining, batch_ms: float = 0.0) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.event_log = event_log
         self.load_interval_s = load_interval_ms / 1000
+        self.batch_s = batch_ms / 1000
         self.draining = draining
 
     def _to_pb(self, message: Message) -> pb.KvEventsMessage:
         epoch = self.event_log.epoch
         if isinstance(message, Batch):
-            return pb.KvEventsMessage(batch=pb.KvEventBatch(
-                sequence=message.sequence, epoch=epoch,
-                events=[convert.kv_event_to_pb(e) for e in message.events]))
+            batch = pb.KvEventBatch(sequence=message.sequence, epoch=epoch,
+                                    events=[convert.kv_event_to_pb(e) for e in message.events])
+            if message.first_sequence is not None:
+                batch.first_sequence = message.first_sequence
+            return pb.KvEventsMessage(batch=batch)
         if isinstance(message, Resync):
             return pb.KvEventsMessage(resync=pb.Resync(
                 sequence=message.sequence, epoch=epoch,
@@ -45,5 +48,6 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
         epoch = request.epoch if request.HasField("epoch") else None
         # Subscriptions end when the worker drains, so they never hold its shutdown open.
         async for message in subscribe(self.event_log, self.engine.stats, start, epoch,
-                                       self.load_interval_s, lambda: self.draining.active):
+                                       self.load_interval_s, lambda: self.draining.active,
+                                       self.batch_s):
             yield self._to_pb(message)

@@ -72,7 +72,8 @@ def _registration(stage: Stage) -> Callable[[Worker], None]:
         if worker.config.publish_kv_events:
             kv_events_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(
                 worker.config.identity, worker.engine, worker.event_log,
-                worker.config.load_interval_ms, worker.service.draining), worker.service.server)
+                worker.config.load_interval_ms, worker.service.draining,
+                worker.config.kv_events_batch_ms), worker.service.server)
     return register
 
 

@@ -152,6 +152,11 @@ class FrontendConfig:
     video_model: str = ""
     #: Longest wait for the router's answer, seconds.
     router_timeout_s: float = 10.0
+    #: Route requests in this process (no Route round trip): a local router built from the
+    #: router replicas' worker list and settings, fed by the workers' own health and KV event
+    #: streams, deciding as a router replica does, the kv index included, and going on while
+    #: every router replica is down. Off (--no-local-routing): every request asks a replica.
+    local_routing: bool = True
     #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
     #: prompts with images for the router, which must match the workers' hashes.
     kv_block_size: int = 32
@@ -314,7 +319,9 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
                      max_local_prefill_length=config.max_local_prefill_length, tls=config.tls,
                      block_size=config.kv_block_size,
                      on_fallback=metrics.set_router_fallback,
-                     on_fallback_route=metrics.count_fallback_route),
+                     on_fallback_route=metrics.count_fallback_route,
+                     local_routing=config.local_routing,
+                     on_local_route=metrics.count_local_route),
         DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
         PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media,

@@ -9,6 +9,7 @@ import grpc
 from tandem.errors import Unavailable
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router, RouteRequestInfo
+from tandem.routing.snapshot import RoutingSettings
 from tandem.routing.workers import SlaHints, WorkerRef
 from tandem.runtime import tracing
 from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_to_pb
@@ -42,12 +43,15 @@ def route_info(request: pb.RouteRequest, default_osl: int) -> RouteRequestInfo:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """`is_ready` says whether the router may decide yet: a (re)started router first rebuilds
     its prefix index from every worker's event stream; until then Route answers UNAVAILABLE
-    (an outage, which frontends fail over, not a verdict)."""
+    (an outage, which frontends fail over, not a verdict). `grid_config_json` is the SLA grid
+    file's text, listed with the pools for frontends' local routers."""
 
     def __init__(self, router: Router, default_osl: int,
                  metrics: RouterMetrics | None = None,
-                 is_ready: Callable[[], bool] = lambda: True) -> None:
+                 is_ready: Callable[[], bool] = lambda: True, grid_config_json: str = "") -> None:
         self.router = router
+        #: Sent with every ListWorkers: a frontend's local router decides with it.
+        self.settings = RoutingSettings(router.block_size, router.typical_osl, grid_config_json)
         self.default_osl = default_osl
         self.metrics = metrics or RouterMetrics()
         self.is_ready = is_ready
@@ -88,4 +92,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
-        return pools_to_pb(self.router.snapshot(time.monotonic()))
+        return pools_to_pb(self.router.snapshot(time.monotonic()), self.settings)

@@ -68,6 +68,9 @@ class FrontendMetrics:
         self.fallback_routes = Counter(
             "tandem_frontend_fallback_routes", "Requests this frontend routed alone because no "
             "router replica answered", labels, registry=r)
+        self.local_routes = Counter(
+            "tandem_frontend_local_routes", "Requests this frontend's local router routed (no "
+            "Route call to a router replica)", labels, registry=r)
         self._bind(model)
 
     def _bind(self, model: str) -> None:
@@ -80,6 +83,7 @@ class FrontendMetrics:
         # Exported at 0 from the start (a labelled metric shows only the children it has).
         self.router_fallback.labels(model)
         self.fallback_routes.labels(model)
+        self._local_routes = self.local_routes.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:
         """These metrics (same collectors and registry) labelled with `model`."""
@@ -92,6 +96,9 @@ class FrontendMetrics:
 
     def count_fallback_route(self) -> None:
         self.fallback_routes.labels(self.model).inc()
+
+    def count_local_route(self) -> None:
+        self._local_routes.inc()
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
         self._streamed.inc(num_tokens)

@@ -16,8 +16,12 @@ from tandem.kv.event_log import EventLog
 
 @dataclass(frozen=True, slots=True)
 class Batch:
+    """The events of the log's batches `first_sequence`..`sequence`, in order."""
+
     sequence: int
     events: tuple[KvEvent, ...]
+    #: None: the one batch `sequence`.
+    first_sequence: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,20 +43,31 @@ def _resync(log: EventLog) -> tuple[int, Resync]:
 
 
 def _catch_up(log: EventLog, start: int) -> tuple[int, list[Message]]:
-    """Batches from `start` on (last sequence, messages), or a resync when replay cannot give
-    exactly what follows `start - 1`."""
+    """The batches from `start` on as one message (last sequence, messages), or a resync when
+    replay cannot give exactly what follows `start - 1`."""
     batches = None if start > log.last_sequence + 1 else log.since(start)
     if batches is None:
         last, resync = _resync(log)
         return last, [resync]
-    messages: list[Message] = [Batch(seq, events) for seq, events in batches]
-    return (batches[-1][0] if batches else start - 1), messages
+    if not batches:
+        return start - 1, []
+    last = batches[-1][0]
+    if len(batches) == 1:
+        return last, [Batch(last, batches[0][1])]
+    events = tuple(e for _, step in batches for e in step)
+    return last, [Batch(last, events, batches[0][0])]
 
 
 async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
                     start_sequence: int | None, epoch: int | None, load_interval_s: float,
-                    is_closing: Callable[[], bool]) -> AsyncIterator[Message]:
+                    is_closing: Callable[[], bool], batch_s: float = 0.0
+                    ) -> AsyncIterator[Message]:
     """Yields the subscriber's messages until `is_closing()` (checked each load interval).
+
+    Events go out at most once per `batch_s`: once a step's events arrive, those of the steps
+    that follow within `batch_s` join them in one message (every gRPC message costs a wake-up
+    of both processes; an engine that steps every millisecond would otherwise send a message
+    per step to every subscriber).
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
     `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
@@ -73,6 +88,9 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
             await asyncio.wait_for(log.wait_beyond(last), load_interval_s)
         except asyncio.TimeoutError:
             pass  # no events this interval; the load may still have changed
+        else:
+            if batch_s > 0:
+                await asyncio.sleep(batch_s)
         last, pending = _catch_up(log, last + 1)
         for message in pending:
             yield message

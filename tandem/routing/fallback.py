@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.errors import Unavailable
-from tandem.routing.config import PoolConfig
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.snapshot import PoolSnapshot
 from tandem.routing.workers import Health, RouteDecision
@@ -42,10 +41,7 @@ class FallbackRouter:
     def update(self, pools: Sequence[PoolSnapshot], now: float) -> None:
         """Takes a router's fresh list (while routers answer: nothing is routed here then, so
         the counts start again from what the router counted)."""
-        configs = [PoolConfig(name=p.name, kind=p.kind,
-                              workers=[w.address for w in p.workers],
-                              policy=_POLICY_WITHOUT_INDEX.get(p.policy, p.policy))
-                   for p in pools]
+        configs = [p.as_config(_POLICY_WITHOUT_INDEX.get(p.policy)) for p in pools]
         router = Router(configs, None, self.block_size, self.typical_osl)
         for pool, snapshot in zip(router.pools, pools, strict=True):
             for seen in snapshot.workers:

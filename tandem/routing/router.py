@@ -132,6 +132,11 @@ class Router:
         # list() of dict values is atomic under the GIL: the metrics thread may call this.
         return [w for pool in list(self.pools) for w in list(pool.workers.values())]
 
+    def pool_members(self, pool_name: str) -> list[str]:
+        """The addresses of a pool's workers."""
+        return [w.ref.address for p in self.pools if p.name == pool_name
+                for w in p.workers.values()]
+
     def set_pool_workers(self, pool_name: str, addresses: Sequence[str]) -> list[WorkerState]:
         """Membership change (DNS): returns the workers added; removed ones leave the index."""
         pool = next(p for p in self.pools if p.name == pool_name)
@@ -272,5 +277,6 @@ class Router:
         return [PoolSnapshot(pool.name, pool.config.kind, pool.config.policy, tuple(
             WorkerSnapshot.of(w, in_flight[w.worker_id], self.index.num_blocks_of(w.worker_id),
                               now)
-            for w in list(pool.workers.values())))
+            for w in list(pool.workers.values())), pool.config.prefill_load_scale,
+            pool.config.temperature, pool.config.host_hit_cost)
             for pool in self.pools]

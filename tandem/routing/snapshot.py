@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.routing.config import PoolConfig
 from tandem.routing.workers import Health, LoadReport, WorkerState
 
 
@@ -49,6 +50,29 @@ class PoolSnapshot:
     policy: str
     #: In the router's config order (a DNS pool's: as they appeared).
     workers: tuple[WorkerSnapshot, ...]
+    #: The kv policy's weights (PoolConfig's fields of the same names).
+    prefill_load_scale: float = PoolConfig.prefill_load_scale
+    temperature: float = PoolConfig.temperature
+    host_hit_cost: float = PoolConfig.host_hit_cost
+
+    def as_config(self, policy: str | None = None) -> PoolConfig:
+        """The pool as a router config lists it, its current members as static workers
+        (`policy` in place of its own when given)."""
+        return PoolConfig(name=self.name, kind=self.kind,
+                          workers=[w.address for w in self.workers],
+                          policy=policy or self.policy,
+                          prefill_load_scale=self.prefill_load_scale,
+                          temperature=self.temperature, host_hit_cost=self.host_hit_cost)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """How a router decides, beside its pools (RouterConfig's fields of the same names; the
+    grid as the JSON text the router read, "" for none)."""
+
+    block_size: int
+    typical_osl: int
+    grid_config_json: str = ""
 
 
 def all_candidates(pools: Sequence[PoolSnapshot]) -> bool:

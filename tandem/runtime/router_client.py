@@ -6,6 +6,11 @@ A replica that fails a call at the transport (or answers that it is still starti
 until its health says SERVING again (router_replicas.py). A replica's own verdict ("no healthy worker") is an answer, not an outage: it is raised, not failed over.
 Completions go back to the replica that counted the request, riding on its next Route or, when
 none comes within `flush_ms`, in one Complete call.
+
+With `local_routing` the client decides itself, in process (tandem.routing.local), once it has
+the routers' worker list and has rebuilt the prefix index from the workers' event streams; a
+replica is asked only before that, or when the local router finds no candidate (a router may
+reach a worker this process cannot).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from opentelemetry.trace import SpanKind
 
 from tandem.errors import Unavailable
 from tandem.routing.fallback import FallbackRouter
+from tandem.routing.local import LocalRouter
 from tandem.routing.router import RouteRequestInfo
 from tandem.routing.snapshot import PoolSnapshot
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
@@ -30,7 +36,7 @@ from tandem.runtime.router_replicas import (
     RouterReplicas,
     split_addresses,
 )
-from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb
+from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb, settings_from_pb
 from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig
 from tandem.v1 import router_pb2
@@ -66,6 +72,8 @@ class RouterClient:
         on_fallback: told True when the client starts routing alone, False when a replica is
             back (metrics).
         on_fallback_route: told of each request routed without a router (metrics).
+        local_routing: decide in this process once ready (module docstring).
+        on_local_route: told of each request routed in this process (metrics).
     """
 
     def __init__(self, addresses: str | Sequence[str], flush_ms: float = 20.0,
@@ -73,7 +81,9 @@ class RouterClient:
                  tls: TlsConfig | None = None, block_size: int = 32,
                  snapshot_interval_s: float = 2.0, dns_refresh_s: float = 10.0,
                  on_fallback: Callable[[bool], None] = lambda active: None,
-                 on_fallback_route: Callable[[], None] = lambda: None) -> None:
+                 on_fallback_route: Callable[[], None] = lambda: None,
+                 local_routing: bool = False,
+                 on_local_route: Callable[[], None] = lambda: None) -> None:
         self.addresses = split_addresses(addresses)
         if not self.addresses:
             raise ValueError("RouterClient needs at least one router address")
@@ -88,6 +98,10 @@ class RouterClient:
         #: Request id -> the replica that counted it; None: routed here (fallback).
         self._routed_by: dict[str, Replica | None] = {}
         self.fallback = FallbackRouter(block_size)
+        self.local = LocalRouter(tls) if local_routing else None
+        #: Requests routed by `local` and not completed yet.
+        self._routed_locally: set[str] = set()
+        self._on_local_route = on_local_route
         self._on_fallback = on_fallback
         self._on_fallback_route = on_fallback_route
         self.is_fallback_active = False
@@ -131,6 +145,12 @@ class RouterClient:
                     timeout_s: float | None = None, block_hashes: Sequence[int] = (),
                     has_images: bool = False, prefer_ids: tuple[str, ...] = ()
                     ) -> RouteDecision:
+        if self.local is not None and self.local.is_ready:
+            decision = self._route_locally(RouteRequestInfo(
+                request_id, token_ids, block_hashes, len(token_ids), expected_osl, sla,
+                exclude_ids, self.max_local_prefill_length, has_images, prefer_ids))
+            if decision is not None:
+                return decision
         request = router_pb2.RouteRequest(
             request_id=request_id, token_ids=token_ids, isl=len(token_ids),
             expected_osl=expected_osl, exclude_worker_ids=exclude_ids,
@@ -167,6 +187,12 @@ class RouterClient:
 
     async def _route_whole(self, request_id: str, exclude_ids: tuple[str, ...], *,
                            video: bool = False, embedding: bool = False) -> RouteDecision:
+        if self.local is not None and self.local.is_ready:
+            decision = self._route_locally(RouteRequestInfo(
+                request_id, (), (), 0, 0, SlaHints(), exclude_ids, video=video,
+                embedding=embedding))
+            if decision is not None:
+                return decision
         request = router_pb2.RouteRequest(request_id=request_id, video=video,
                                           embedding=embedding, exclude_worker_ids=exclude_ids)
         reply = await self._route(request, self.timeout_s)
@@ -224,6 +250,22 @@ class RouterClient:
                 self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
                 raise _Outage() from None
 
+    def _route_locally(self, info: RouteRequestInfo) -> RouteDecision | None:
+        """The local router's decision; None when it has no candidate for the request (a
+        replica is asked then)."""
+        assert self.local is not None
+        self._forget(info.request_id)
+        try:
+            decision = self.local.route(info)
+        except Unavailable:
+            return None
+        self._routed_locally.add(info.request_id)
+        self._on_local_route()
+        replica = next(iter(self.replicas.up_order()), None)
+        if replica is not None:
+            self._maybe_refresh_snapshot(replica)
+        return decision
+
     def _route_alone(self, info: RouteRequestInfo) -> RouteDecision:
         if not self.is_fallback_active:
             self._set_fallback(True)
@@ -270,7 +312,15 @@ class RouterClient:
             log.debug("ListWorkers failed", extra={"router": replica.address,
                                                    "error": exc.details()})
         else:
-            self.fallback.update(pools_from_pb(reply), time.monotonic())
+            self._take_list(reply)
+
+    def _take_list(self, reply: router_pb2.ListWorkersResponse) -> list[PoolSnapshot]:
+        pools = pools_from_pb(reply)
+        self.fallback.update(pools, time.monotonic())
+        settings = settings_from_pb(reply)
+        if self.local is not None and settings is not None:
+            self.local.update(pools, settings)
+        return pools
 
     async def list_workers(self, timeout_s: float = 5.0) -> list[PoolSnapshot]:
         """Every pool and worker as a replica sees them (the first that answers); the last
@@ -288,9 +338,7 @@ class RouterClient:
                     self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
                     continue
                 raise status.from_rpc_error(exc, f"router {replica.address}") from None
-            pools = pools_from_pb(reply)
-            self.fallback.update(pools, time.monotonic())
-            return pools
+            return self._take_list(reply)
         last = self.fallback.pools()
         if last is None:
             raise Unavailable(f"no router answers ({self.address})")
@@ -299,6 +347,11 @@ class RouterClient:
     # ---- completions ------------------------------------------------------------------------
 
     def report_completion(self, request_id: str, outcome: str, output_tokens: int) -> None:
+        if request_id in self._routed_locally:
+            self._routed_locally.discard(request_id)
+            assert self.local is not None
+            self.local.complete(request_id)
+            return
         if request_id not in self._routed_by:
             return
         replica = self._routed_by.pop(request_id)
@@ -310,7 +363,7 @@ class RouterClient:
 
     def _forget(self, request_id: str) -> None:
         """A request routed again: its earlier hand-out is released where it was counted."""
-        if request_id in self._routed_by:
+        if request_id in self._routed_by or request_id in self._routed_locally:
             self.report_completion(request_id, "error", 0)
 
     def _requeue(self, replica: Replica, completions: list[router_pb2.Completion]) -> None:
@@ -353,6 +406,8 @@ class RouterClient:
         await self.flush()
         await asyncio.gather(*self._flushes, return_exceptions=True)
         await self.replicas.close()
+        if self.local is not None:
+            await self.local.close()
 
 
 def _is_verdict(exc: grpc.aio.AioRpcError) -> bool:

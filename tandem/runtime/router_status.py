@@ -7,7 +7,7 @@ from types import TracebackType
 
 import grpc
 
-from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
+from tandem.routing.snapshot import PoolSnapshot, RoutingSettings, WorkerSnapshot
 from tandem.routing.workers import Health, LoadReport
 from tandem.runtime import status
 from tandem.runtime.tls import TlsConfig, aio_channel
@@ -65,15 +65,33 @@ def worker_from_pb(msg: router_pb2.WorkerStatus) -> WorkerSnapshot:
         msg.last_load_age_ms / 1000 if loaded and msg.HasField("last_load_age_ms") else None)
 
 
-def pools_to_pb(pools: Sequence[PoolSnapshot]) -> router_pb2.ListWorkersResponse:
-    return router_pb2.ListWorkersResponse(pools=[
+def pools_to_pb(pools: Sequence[PoolSnapshot],
+                settings: RoutingSettings | None = None) -> router_pb2.ListWorkersResponse:
+    reply = router_pb2.ListWorkersResponse(pools=[
         router_pb2.PoolStatus(name=p.name, kind=p.kind, policy=p.policy,
-                              workers=[worker_to_pb(w) for w in p.workers]) for p in pools])
+                              workers=[worker_to_pb(w) for w in p.workers],
+                              prefill_load_scale=p.prefill_load_scale,
+                              temperature=p.temperature, host_hit_cost=p.host_hit_cost)
+        for p in pools])
+    if settings is not None:
+        reply.settings.CopyFrom(router_pb2.RoutingSettings(
+            block_size=settings.block_size, typical_osl=settings.typical_osl,
+            grid_config_json=settings.grid_config_json))
+    return reply
 
 
 def pools_from_pb(msg: router_pb2.ListWorkersResponse) -> list[PoolSnapshot]:
-    return [PoolSnapshot(p.name, p.kind, p.policy, tuple(worker_from_pb(w) for w in p.workers))
+    return [PoolSnapshot(p.name, p.kind, p.policy, tuple(worker_from_pb(w) for w in p.workers),
+                         p.prefill_load_scale, p.temperature, p.host_hit_cost)
             for p in msg.pools]
+
+
+def settings_from_pb(msg: router_pb2.ListWorkersResponse) -> RoutingSettings | None:
+    """The router's decision settings; None from a router that does not send them."""
+    if not msg.HasField("settings"):
+        return None
+    s = msg.settings
+    return RoutingSettings(s.block_size, s.typical_osl, s.grid_config_json)
 
 
 class RouterStatusClient:

@@ -47,6 +47,10 @@ class WorkerConfig:
     kv_event_buffer: int = 10000
     #: Most frequent load report on the KvEvents stream, milliseconds.
     load_interval_ms: int = 100
+    #: Most frequent message of KV events on the KvEvents stream, milliseconds: the events of
+    #: the steps in that time go out together (a router's index lags by at most this); 0: one
+    #: message per engine step.
+    kv_events_batch_ms: float = 5.0
     # == reliability ==
     #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     grace_period_s: float = 30.0

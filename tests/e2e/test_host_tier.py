@@ -15,9 +15,9 @@ from collections.abc import Callable
 import grpc
 import openai
 
-from services.router.watcher import WorkerWatcher
 from tandem.engines.types import KvTier
 from tandem.routing.prefix_index import PrefixIndex
+from tandem.routing.watcher import WorkerWatcher
 from tandem.routing.workers import WorkerRef, WorkerState
 from tandem.v1 import (
     common_pb2,

@@ -49,7 +49,9 @@ def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
 @pytest.fixture(scope="module")
 def scrapes() -> Iterator[Scrapes]:
     frontend, router, decode, prefill = free_ports(4)
-    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--router-metrics-port",
+    # The router decides every request (no local routing): its decision metrics are checked.
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--no-local-routing",
+                          "--router-metrics-port",
                           str(router), "--worker-metrics-ports", str(decode), str(prefill),
                           "--frontend-metrics-port", str(frontend), num_prefill=1)
     url = "http://127.0.0.1:{}/metrics".format

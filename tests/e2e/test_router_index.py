@@ -8,8 +8,8 @@ import signal
 
 import grpc
 
-from services.router.watcher import WorkerWatcher
 from tandem.routing.prefix_index import PrefixIndex
+from tandem.routing.watcher import WorkerWatcher
 from tandem.routing.workers import WorkerRef, WorkerState
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
 from tests.e2e.topology import start_worker
@@ -107,8 +107,8 @@ async def test_index_follows_evictions_and_both_restarts() -> None:
 
 
 async def test_dns_pool_resolves_to_workers_that_become_candidates() -> None:
-    from services.router.main import Membership
     from tandem.routing.config import PoolConfig
+    from tandem.routing.membership import Membership
     from tandem.routing.router import Router, RouteRequestInfo
     from tandem.routing.workers import SlaHints
 

@@ -89,8 +89,9 @@ def kv_topology(tmp_path_factory: pytest.TempPathFactory):
     spec = write_deployment(tmp_path_factory.mktemp("kv"), [
         {"name": "decode", "kind": "decode", "ports": ports, "policy": "kv"}],
         metrics_port=metrics)
-    # Real-time step times, so that concurrent requests really overlap on the workers.
-    topo = start_topology("--config", str(spec), "--speedup-ratio", "1")
+    # Real-time step times, so that concurrent requests really overlap on the workers. The
+    # router decides (no local routing): its metrics tell when it has seen a worker's blocks.
+    topo = start_topology("--config", str(spec), "--speedup-ratio", "1", "--no-local-routing")
     topo.metrics_url = f"http://127.0.0.1:{metrics}/metrics"  # type: ignore[attr-defined]
     yield topo
     assert topo.stop() == 0

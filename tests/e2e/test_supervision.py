@@ -1,8 +1,11 @@
 """No single point of failure under `tandem up` (real processes, restart policy on-failure, the
-default): kill -9 the router under a steady stream of requests and none fails (the frontend
-routes alone meanwhile and says so in its metrics), the launcher restarts the router, which
-rebuilds its KV index from the workers' event replay before it serves, and KV-aware routing
-resumes; kill -9 a decode worker and the launcher restarts it and the router routes to it."""
+default): with local routing (the default) the frontend decides in its own process, fed by the
+workers' streams, so a router killed with -9 under a steady stream of requests changes nothing:
+none fails and KV-aware routing holds while it is down. Without local routing: none fails (the
+frontend routes alone meanwhile and says so in its metrics), the launcher restarts the router,
+which rebuilds its KV index from the workers' event replay before it serves, and KV-aware
+routing resumes. Kill -9 a decode worker and the launcher restarts it and the router routes to
+it."""
 from __future__ import annotations
 
 import json
@@ -29,6 +32,15 @@ PREFIX = list(range(1000, 1512))
 @pytest.fixture
 def topo() -> Iterator[Topology]:
     topology = start_topology("--engine", "mock", "--speedup-ratio", "1",
+                              "--router-policy", "kv", num_decode=2, restart=True)
+    yield topology
+    topology.stop()
+
+
+@pytest.fixture
+def remote_topo() -> Iterator[Topology]:
+    """Every request asks the router (--no-local-routing)."""
+    topology = start_topology("--engine", "mock", "--speedup-ratio", "1", "--no-local-routing",
                               "--router-policy", "kv", num_decode=2, restart=True)
     yield topology
     topology.stop()
@@ -122,7 +134,38 @@ class SteadyLoad:
                 self.failures.append(exc)
 
 
-def test_killing_the_router_fails_no_request_and_kv_routing_resumes(topo: Topology) -> None:
+def test_with_local_routing_a_dead_router_fails_nothing_and_kv_routing_holds() -> None:
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "1", "--router-policy", "kv",
+                          num_decode=2)  # restart policy: no (the router stays dead)
+    try:
+        client = api(topo)
+        holder = served_by(client, topo.model, PREFIX + [1])
+        assert served_by(client, topo.model, PREFIX + [2]) == holder
+        routed_here = metric(topo, "tandem_frontend_local_routes_total")
+        assert routed_here >= 2  # the frontend decided these itself
+        router_port = int(topo.router_address.rsplit(":", 1)[1])
+        with SteadyLoad(client, topo.model) as load:
+            wait_until(lambda: load.answered >= 10, "the load never got going")
+            os.kill(child_pid(topo.process.pid, router_port), signal.SIGKILL)
+            answered_at_kill = load.answered
+            wait_until(lambda: load.answered >= answered_at_kill + 20,
+                       "requests stopped after the router died")
+            # The router is down for good: the prefix still draws its requests to its holder
+            # (the frontend's own index follows the workers' event streams).
+            assert [served_by(client, topo.model, PREFIX + [10 + i]) for i in range(6)] == \
+                [holder] * 6
+        assert load.failures == [], load.failures[:3]
+        assert load.answered == load.asked
+        assert metric(topo, "tandem_frontend_router_fallback") == 0
+        assert metric(topo, "tandem_frontend_fallback_routes_total") == 0
+        assert metric(topo, "tandem_frontend_local_routes_total") >= routed_here + load.asked + 6
+    finally:
+        topo.stop()
+
+
+def test_killing_the_router_fails_no_request_and_kv_routing_resumes(
+        remote_topo: Topology) -> None:
+    topo = remote_topo
     client = api(topo)
     # The prefix is cached on one worker before the router dies: only the workers' event
     # replay can tell the restarted router where it is.
@@ -174,7 +217,8 @@ def test_a_killed_decode_worker_is_restarted_and_routed_to_again(topo: Topology)
 
 def test_two_router_replicas_serve_one_frontend_and_one_may_die() -> None:
     topo = start_topology("--engine", "mock", "--speedup-ratio", "1", "--router-policy", "kv",
-                          "--router-replicas", "2", num_decode=2)  # restart policy: no
+                          "--router-replicas", "2", "--no-local-routing",
+                          num_decode=2)  # restart policy: no
     try:
         client = api(topo)
         holder = served_by(client, topo.model, PREFIX + [1])

@@ -34,9 +34,10 @@ async def take(n: int, log: EventLog, start: int | None, epoch: int | None = Non
 
 
 async def test_replay_from_a_sequence_then_load() -> None:
+    # What a reconnecting subscriber missed comes as one message spanning the batches.
     log = filled_log()
-    messages = await take(3, log, start=2, epoch=log.epoch)
-    assert messages == [Batch(2, (stored(2, 1),)), Batch(3, (BlockRemoved((2,)),)), IDLE]
+    messages = await take(2, log, start=2, epoch=log.epoch)
+    assert messages == [Batch(3, (stored(2, 1), BlockRemoved((2,))), first_sequence=2), IDLE]
 
 
 async def test_no_start_means_snapshot() -> None:
@@ -83,3 +84,23 @@ async def test_live_batches_follow_and_load_only_when_it_changes() -> None:
     current[0] = replace(IDLE, num_running=1)
     await asyncio.wait_for(task, 5)
     assert received == [IDLE, Batch(4, (stored(7),)), replace(IDLE, num_running=1)]
+
+
+async def test_steps_within_the_batch_time_go_out_in_one_message() -> None:
+    log = filled_log()
+    received: list = []
+
+    async def consume() -> None:
+        async for message in subscribe(log, lambda: IDLE, 4, log.epoch, 10.0, lambda: False,
+                                       batch_s=0.05):
+            received.append(message)
+            if isinstance(message, Batch):
+                break
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.01)
+    log.append([stored(7)])
+    await asyncio.sleep(0.01)  # within batch_s of the first: joins it
+    log.append([BlockRemoved((7,))])
+    await asyncio.wait_for(task, 5)
+    assert received == [IDLE, Batch(5, (stored(7), BlockRemoved((7,))), first_sequence=4)]

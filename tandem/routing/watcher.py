@@ -158,9 +158,10 @@ class WorkerWatcher:
         elif kind == "batch":
             batch = message.batch
             expected = None if self.last_sequence is None else self.last_sequence + 1
-            if expected is not None and batch.sequence != expected:
+            first = batch.first_sequence if batch.HasField("first_sequence") else batch.sequence
+            if expected is not None and first != expected:
                 # A worker resyncs rather than skip; if one ever skips, resubscribe from the gap.
-                raise SequenceGap(f"{worker}: expected {expected}, got {batch.sequence}")
+                raise SequenceGap(f"{worker}: expected {expected}, got {first}")
             self.index.apply(worker, [convert.kv_event_from_pb(e) for e in batch.events])
             self.epoch, self.last_sequence = batch.epoch, batch.sequence
         else:
