@@ -36,7 +36,8 @@ class Stage:
 
 def _decode(w: Worker) -> None:
     decode_pb2_grpc.add_DecodeServicer_to_server(
-        DecodeServicer(w.engine, w.service.draining), w.service.server)
+        DecodeServicer(w.engine, w.service.draining,
+                       w.config.session_interval_ms / 1000), w.service.server)
 
 
 def _prefill(w: Worker) -> None:

@@ -49,9 +49,11 @@ def fill_chunk(message: pb.GenerateChunk, chunk: TokenChunk) -> None:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: Engine, draining: Draining) -> None:
+    def __init__(self, engine: Engine, draining: Draining,
+                 session_interval_s: float = 0.0) -> None:
         self.engine = engine
         self.draining = draining
+        self.session_interval_s = session_interval_s
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
@@ -79,7 +81,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionBatch]:
         session = WorkerSession(self.engine, self.draining,
                                 lambda r: engine_request(r, self.engine.max_model_len),
-                                fill_chunk)
+                                fill_chunk, self.session_interval_s)
         async with session.reading(requests):
             async for batch in session.batches():
                 yield batch

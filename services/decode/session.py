@@ -53,8 +53,11 @@ def _error(exc: BaseException, request_id: str) -> pb.RequestError:
 class WorkerSession:
     def __init__(self, engine: Engine, draining: Draining,
                  to_engine_request: Callable[[pb.GenerateRequest], EngineRequest],
-                 fill_chunk: Callable[[pb.GenerateChunk, TokenChunk], None]) -> None:
+                 fill_chunk: Callable[[pb.GenerateChunk, TokenChunk], None],
+                 min_interval_s: float = 0.0) -> None:
         self.engine = engine
+        #: A batch goes out at most this long after the previous one (news meanwhile waits).
+        self.min_interval_s = min_interval_s
         self.draining = draining
         self._to_engine_request = to_engine_request
         self._fill_chunk = fill_chunk
@@ -86,6 +89,8 @@ class WorkerSession:
     async def batches(self) -> AsyncIterator[pb.SessionBatch]:
         """One batch per wake-up with every request's news; ends once the caller sent its last
         request and nothing is running."""
+        loop = asyncio.get_running_loop()
+        next_at = 0.0
         while True:
             if not self._news and not self._refused:
                 if self._requests_done and not self._running:
@@ -93,6 +98,10 @@ class WorkerSession:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            wait = next_at - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            next_at = loop.time() + self.min_interval_s
             news, self._news = self._news, {}
             batch = pb.SessionBatch(chunks=self._refused, produced_unix_ns=self._news_since_ns)
             self._news_since_ns = 0

@@ -47,6 +47,12 @@ class WorkerConfig:
     kv_event_buffer: int = 10000
     #: Most frequent load report on the KvEvents stream, milliseconds.
     load_interval_ms: int = 100
+    #: Shortest time between two Decode.Session batches to one frontend, milliseconds: the
+    #: news of the steps within it goes out together, each request's tokens merged. An engine
+    #: on a GPU steps slower than this (one batch per step, nothing waits); one that steps
+    #: faster (the mock at --speedup-ratio 0, a tiny model) would otherwise cost both processes
+    #: a message, and the client an SSE event, per step. 0: a batch per step, however short.
+    session_interval_ms: float = 1.0
     #: Most frequent message of KV events on the KvEvents stream, milliseconds: the events of
     #: the steps in that time go out together (a router's index lags by at most this); 0: one
     #: message per engine step.

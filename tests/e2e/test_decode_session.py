@@ -146,3 +146,34 @@ def test_cancel_returns_the_blocks_and_stops_the_chunks(worker: str) -> None:
     finally:
         session.close()
         watcher.close()
+
+
+def _batches_for(address: str, max_tokens: int) -> list[list[int]]:
+    """The token lists of the batches that carried one request to its end."""
+    session = Session(address)
+    try:
+        session.generate("paced", [5, 6, 7, 8], max_tokens=max_tokens)
+        out: list[list[int]] = []
+        while True:
+            item = session.next_batch().chunks[0]
+            out.append(list(item.chunk.token_ids))
+            if item.chunk.finish_reason:
+                return out
+    finally:
+        session.close()
+
+
+def test_steps_within_the_session_interval_go_out_as_one_batch() -> None:
+    # Steps of ~11.5 ms (half real-time speed); a 60 ms interval takes about five per batch, a
+    # request's tokens merged in order; with no interval each step is a batch.
+    paced, address = start_worker("--speedup-ratio", "0.5", "--session-interval-ms", "60")
+    per_step, address_0 = start_worker("--speedup-ratio", "0.5", "--session-interval-ms", "0")
+    try:
+        batches = _batches_for(address, 30)
+        steps = _batches_for(address_0, 30)
+    finally:
+        terminate_all([paced, per_step])
+    assert sum(map(len, batches)) == sum(map(len, steps)) == 30
+    assert len(steps) >= 25
+    assert len(batches) <= 12
+    assert max(map(len, batches)) >= 3
