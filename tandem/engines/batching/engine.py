@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 
@@ -80,6 +81,9 @@ class BatchingEngine(Engine):
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
         self._requests: dict[str, BatchRequest] = {}
         self._wakeup = asyncio.Event()
+        #: When the step loop last woke from waiting for work (time.monotonic()); a pass that
+        #: follows the previous one without such a wait started when that one ended.
+        self.woke_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._failure: BaseException | None = None
@@ -311,6 +315,7 @@ class BatchingEngine(Engine):
                 if not self.scheduler.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    self.woke_at = time.monotonic()
                     continue
                 await self._gate.wait()
                 if self._closed:
@@ -337,6 +342,7 @@ class BatchingEngine(Engine):
                 self._is_blocked_on_peers = True
                 try:
                     await self._wakeup.wait()
+                    self.woke_at = time.monotonic()
                 finally:
                     self._is_blocked_on_peers = False
                 return

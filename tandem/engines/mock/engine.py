@@ -50,6 +50,8 @@ class MockEngine(BatchingEngine):
         self._guided_draws: GuidedDraws | None = None
         #: How late a short nanosleep wakes here, lately (see _sleep_until), seconds.
         self._nanosleep_late = 0.0
+        #: When the last pass's modelled time ended (time.monotonic()).
+        self._pass_end = 0.0
 
     def _validate(self, request: EngineRequest) -> None:
         super()._validate(request)
@@ -100,7 +102,10 @@ class MockEngine(BatchingEngine):
         return stream_key(request.prompt_token_ids, request.sampling.seed)
 
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
-        started = time.monotonic()
+        # As Dynamo's pass: from its start, the last pass's end when the loop went straight on
+        # (the tokens' bookkeeping and this pass's scheduling are inside the modelled time, as
+        # in Dynamo's loop), else when work woke the loop.
+        started = max(self._pass_end, self.woke_at)
         # Decoding: one token computed for a request that already has output (a prefill that
         # completes in the pass emits its first token without a decode charge, as in Dynamo).
         decoding = [len(req.token_ids) for req, num in plan.scheduled
@@ -111,6 +116,7 @@ class MockEngine(BatchingEngine):
         # As Dynamo's sleep_until_precise: the pass lasts `delay` from its start, bookkeeping
         # included; with no delay still yield so consumers and new requests get to run.
         await self._sleep_until(started + delay)
+        self._pass_end = time.monotonic()
         sampler = self.sampler
         sampled: list[Sampled] = []
         guided = self._draw_guided(plan)
