@@ -9,6 +9,7 @@ whose deadline passes ends with DeadlineExceeded; one whose client leaves gives 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -24,15 +25,20 @@ class Admission:
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.num_in_flight = 0
-        self.num_queued = 0
-        self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        #: Requests waiting for a slot, first come first served; a slot freed goes to the
+        #: first one still waiting (its future's result set), never back to the count.
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiting)
 
     def has_room(self) -> bool:
         """Whether a request arriving now would be admitted or queued (not refused)."""
-        if self._slots is None:
+        if not self.max_in_flight:
             return True
-        is_free = self.num_in_flight < self.max_in_flight and not self.num_queued
-        return is_free or self.num_queued < self.max_queued
+        is_free = self.num_in_flight < self.max_in_flight and not self._waiting
+        return is_free or len(self._waiting) < self.max_queued
 
     @contextlib.asynccontextmanager
     async def slot(self, deadline: float | None = None) -> AsyncIterator[None]:
@@ -44,30 +50,40 @@ class Admission:
             Overloaded: every slot is taken and the queue is full.
             DeadlineExceeded: the deadline passed while the request waited.
         """
-        slots = self._slots
-        if slots is None:
+        if self.max_in_flight and (self.num_in_flight >= self.max_in_flight or self._waiting):
+            await self._wait_for_slot(deadline)  # counted in flight by the releaser
+        else:
             self.num_in_flight += 1
-            try:
-                yield
-            finally:
-                self.num_in_flight -= 1
-            return
-        if not self.has_room():
-            raise Overloaded(f"the frontend is at capacity ({self.max_in_flight} requests in "
-                             f"flight, {self.num_queued} queued); retry later")
-        self.num_queued += 1
-        try:
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                await asyncio.wait_for(slots.acquire(), timeout)
-            except TimeoutError:
-                raise DeadlineExceeded("the request's deadline passed while it waited for the "
-                                       "frontend's capacity") from None
-        finally:
-            self.num_queued -= 1
-        self.num_in_flight += 1
         try:
             yield
         finally:
-            self.num_in_flight -= 1
-            slots.release()
+            self._release()
+
+    async def _wait_for_slot(self, deadline: float | None) -> None:
+        if not self.has_room():
+            raise Overloaded(f"the frontend is at capacity ({self.max_in_flight} requests in "
+                             f"flight, {self.num_queued} queued); retry later")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release()  # the slot came as it gave up: pass it on
+            else:
+                waiter.cancel()
+                self._waiting.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("the request's deadline passed while it waited for the "
+                                       "frontend's capacity") from None
+            raise
+
+    def _release(self) -> None:
+        """A slot is free: the first waiter takes it (still in flight), else the count drops."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.num_in_flight -= 1

@@ -70,3 +70,27 @@ def test_no_limit_counts_only() -> None:
         assert admission.num_in_flight == 0
 
     asyncio.run(run())
+
+
+def test_a_slot_handed_to_a_waiter_that_leaves_goes_to_the_next() -> None:
+    async def run() -> None:
+        admission = Admission(max_in_flight=1, max_queued=2)
+        order: list[int] = []
+        release = asyncio.Event()
+        held = admission.slot()
+        await held.__aenter__()
+        first = asyncio.create_task(_hold(admission, release, order, 1))
+        second = asyncio.create_task(_hold(admission, release, order, 2))
+        await asyncio.sleep(0)
+        assert admission.num_queued == 2
+        await held.__aexit__(None, None, None)  # hands the slot to `first` without yielding
+        first.cancel()  # it leaves before it ran: the slot must not be lost with it
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0)
+        assert order == [2] and admission.num_in_flight == 1
+        release.set()
+        await second
+        assert (admission.num_in_flight, admission.num_queued) == (0, 0)
+
+    asyncio.run(run())
