@@ -21,6 +21,7 @@ import jinja2
 import tokenizers
 
 from tandem.errors import InvalidRequest
+from tandem.frontend.prefix_tokens import PrefixTokenCache
 
 # What a chat template can raise on malformed messages (a missing key, a None where a string was
 # expected, raise_exception(...)): all are the client's fault.
@@ -55,6 +56,25 @@ class Tokenizer:
                     if t.special}
         self._special_ids = frozenset(specials)
         self._special_texts = frozenset(specials.values())
+        self._prefix_cache = PrefixTokenCache(self.backend)
+        #: What add_special_tokens puts around a text's ids (e.g. a BOS before), when that is
+        #: all it does; None when the post-processor does more (no cached prefixes then).
+        self._special_wrap = self._probe_special_wrap()
+
+    def _probe_special_wrap(self) -> tuple[list[int], list[int]] | None:
+        wraps = set()
+        for probe in ("Hello world", "a b c 123 xyz"):
+            plain = self.encode(probe, False)
+            full = self.encode(probe, True)
+            starts = [i for i in range(len(full) - len(plain) + 1)
+                      if full[i:i + len(plain)] == plain]
+            if not plain or not starts:
+                return None
+            wraps.add((tuple(full[:starts[0]]), tuple(full[starts[0] + len(plain):])))
+        if len(wraps) != 1:
+            return None
+        head, tail = wraps.pop()
+        return list(head), list(tail)
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> Tokenizer:
@@ -121,16 +141,43 @@ class Tokenizer:
         """encode() for callers on the event loop. A long text is encoded on a worker thread
         through `encode_batch`, which releases the GIL (`encode` does not), so the loop goes on
         serving other requests while another core encodes; a short one inline, where the thread
-        hop would cost more than it saves."""
+        hop would cost more than it saves. A long text whose beginning a recent one shared
+        reuses that beginning's ids (tandem.frontend.prefix_tokens) and encodes the rest."""
         if len(text) < OFF_LOOP_CHARS:
             return self.encode(text, add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self._encode_one_in_batch, text, add_special_tokens)
+        if add_special_tokens and self._special_wrap is None:
+            return await self._in_thread(text, True)
+        cache = self._prefix_cache
+        hit = cache.lookup(text)
+        if hit is None:
+            ids = await self._in_thread(text, False, keep=True)
+        else:
+            cache.num_hits += 1
+            rest = text[hit.cut:]
+            ids = [*hit.ids, *(self.encode(rest, False) if len(rest) < OFF_LOOP_CHARS
+                               else await self._in_thread(rest, False))]
+            if not hit.kept.verified and not cache.check(hit, ids,
+                                                        await self._in_thread(text, False)):
+                ids = await self._in_thread(text, False)
+        if not add_special_tokens:
+            return ids
+        assert self._special_wrap is not None
+        head, tail = self._special_wrap
+        return [*head, *ids, *tail]
 
-    def _encode_one_in_batch(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self.backend.encode_batch([text],
-                                                   add_special_tokens=add_special_tokens)[0].ids
+    async def _in_thread(self, text: str, add_special_tokens: bool,
+                         keep: bool = False) -> list[int]:
+        """`text` encoded on a worker thread; with `keep` its encoding goes to the prefix
+        cache."""
+        encoding = await asyncio.get_running_loop().run_in_executor(
+            None, self._encode_one_in_batch, text, add_special_tokens)
+        if keep:
+            self._prefix_cache.keep(text, encoding.ids, encoding.offsets)
+        ids: list[int] = encoding.ids
         return ids
+
+    def _encode_one_in_batch(self, text: str, add_special_tokens: bool) -> tokenizers.Encoding:
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
