@@ -4,11 +4,13 @@ The detokenizer's text deltas pass, in order, through
   1. the special-token filter (tandem.frontend.special_text), when special tokens were kept for
      the parsers but the client did not ask for them;
   2. the reasoning stream (--reasoning-parser): reasoning apart, content on. Not for an output
-     under a constraint (response_format, guided_*, a forced tool_choice): the grammar holds
-     from the first token, so there is no reasoning part to split off;
+     under a constraint (response_format, guided_*, a forced tool_choice as JSON): the grammar
+     holds from the first token, so there is no reasoning part to split off;
   3. on the content, either the tool-call stream (tool_choice "auto" with --tool-call-parser),
      or, for a forced tool_choice (required or named), the collector that turns the whole JSON
-     output into calls once it is complete (see tandem.frontend.tool_request).
+     output into calls once it is complete (see tandem.frontend.tool_request). A forced choice
+     enforced in the tool parser's own markup (harmony) takes stages 2 and 3 as "auto" does
+     (tandem.frontend.output_parsers).
 Text held back by a stage (a possible marker, an open call region) comes out at `finish`,
 which must be called once, after the last delta, before the answer's final event.
 """

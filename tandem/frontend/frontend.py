@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from tandem.engines.types import Embedding, GuidedKind
+from tandem.engines.types import Embedding, GuidedDecoding, GuidedKind
 from tandem.errors import InvalidRequest, ModelNotFound
 from tandem.frontend.admission import Admission
 from tandem.frontend.chat_output import ChatOutput
@@ -69,11 +69,14 @@ class Frontend:
         self.admission = admission or Admission()
         #: Most messages in one chat request: bounds the template and tokenizer work.
         self.max_messages = max_messages
-        #: --tool-call-parser and --reasoning-parser; none by default.
-        self.parsers = parsers or OutputParsers(special_texts=tokenizer.special_texts)
         #: --json-whitespace: whitespace characters a JSON constraint (json_schema, json_object,
         #: a forced tool call's arguments) allows between two tokens; 0: compact JSON.
         self.json_whitespace = json_whitespace
+        #: --tool-call-parser and --reasoning-parser; none by default. They build a forced
+        #: call's grammar where their format has one, its arguments under the same whitespace.
+        self.parsers = dataclasses.replace(
+            parsers or OutputParsers(special_texts=tokenizer.special_texts),
+            json_whitespace=json_whitespace)
         #: An embedding model's /v1/embeddings; None for a text model.
         self.embedder = embedder
 
@@ -182,11 +185,7 @@ class Frontend:
                 f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this model's "
                 f"context of {limit} tokens", param="max_tokens")
         limits = [t for t in (timeout_s, self.request_timeout_s) if t is not None]
-        sampling = parsed.sampling(max_tokens)
-        guided = sampling.guided
-        if guided is not None and guided.kind in _JSON_KINDS and self.json_whitespace:
-            sampling = dataclasses.replace(sampling, guided=dataclasses.replace(
-                guided, json_whitespace=self.json_whitespace))
+        sampling = dataclasses.replace(parsed.sampling(max_tokens), guided=self._constraint(parsed))
         return GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt,
@@ -198,6 +197,18 @@ class Frontend:
             embeddings=items,
             block_hashes=block_hashes,
         )
+
+    def _constraint(self, parsed: ParsedRequest) -> GuidedDecoding | None:
+        """The output constraint the engine enforces: a forced tool_choice in the tool parser's
+        own markup where it has a grammar for one, else the request's (JSON under
+        --json-whitespace)."""
+        forced = self.parsers.forced_guided(parsed)
+        if forced is not None:
+            return forced
+        guided = parsed.guided
+        if guided is not None and guided.kind in _JSON_KINDS and self.json_whitespace:
+            return dataclasses.replace(guided, json_whitespace=self.json_whitespace)
+        return guided
 
     def generate_choices(self, req: GenerationRequest, n: int) -> AsyncGenerator[Delta, None]:
         """`generate` for a request of `n` choices: their deltas merged, each tagged with its

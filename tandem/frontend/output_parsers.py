@@ -4,8 +4,12 @@ per-request ChatOutput that applies them.
 
 - Tool calls are parsed for chat requests with tools and tool_choice "auto". Without a tool
   parser such a request is refused (400): its calls could not be told from its text. A forced
-  tool_choice (required or named) needs no parser (tandem.frontend.tool_request).
-- Reasoning is split off for every chat request without an output constraint.
+  tool_choice (required or named) needs no parser: it is enforced as bare JSON
+  (tandem.frontend.tool_request), unless the tool parser has a grammar of its own for it
+  (ToolFormat.forced_grammar: harmony). Then that grammar is the constraint (`forced_guided`)
+  and the output is parsed as under "auto", reasoning included.
+- Reasoning is split off for every chat request without an output constraint (or whose
+  constraint is such a forced-call grammar, which allows reasoning first).
 - Where a parser's markers are special tokens of this vocabulary (Llama's `<|python_tag|>`,
   Mistral's `[TOOL_CALLS]`, harmony's markers), the request is detokenized with special tokens
   kept; the other special tokens are then removed from the text before the parsers (unless the
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engines.types import GuidedDecoding, GuidedKind
 from tandem.errors import InvalidRequest
 from tandem.frontend.chat_output import ChatOutput
 from tandem.frontend.parsed_request import ParsedRequest
@@ -27,6 +32,8 @@ class OutputParsers:
     reasoning: ReasoningParser | None = None
     #: The text of every special token of the served model's vocabulary.
     special_texts: frozenset[str] = frozenset()
+    #: --json-whitespace, for the arguments inside a forced-call grammar (`forced_guided`).
+    json_whitespace: int = 0
 
     @classmethod
     def build(cls, tool_name: str, reasoning_name: str,
@@ -45,12 +52,30 @@ class OutputParsers:
                 "'required' or a named function (enforced with a JSON grammar), or 'none'",
                 param="tool_choice")
 
+    def forced_guided(self, parsed: ParsedRequest) -> GuidedDecoding | None:
+        """The constraint of `parsed`'s forced tool_choice in the tool parser's own markup (an
+        EBNF grammar); None when the choice is not forced or the parser has no grammar for it
+        (then `parsed.guided`, the bare-JSON schema, holds). Built once per set of functions."""
+        tools = parsed.tools
+        if self.tool is None or tools is None or not tools.is_forced:
+            return None
+        ebnf = self.tool.forced_grammar(tools.forced_functions(), self.json_whitespace)
+        return None if ebnf is None else GuidedDecoding(GuidedKind.GRAMMAR, ebnf)
+
     def _tool_parser(self, parsed: ParsedRequest) -> ToolParser | None:
         tools = parsed.tools
-        return self.tool if tools is not None and tools.choice == "auto" else None
+        if tools is None or tools.choice == "none":
+            return None
+        return self.tool if tools.choice == "auto" or self._forces_markup(parsed) else None
 
     def _reasoning_parser(self, parsed: ParsedRequest) -> ReasoningParser | None:
-        return self.reasoning if parsed.kind == "chat" and parsed.guided is None else None
+        if parsed.kind != "chat":
+            return None
+        return self.reasoning if parsed.guided is None or self._forces_markup(parsed) else None
+
+    def _forces_markup(self, parsed: ParsedRequest) -> bool:
+        """Whether `parsed`'s forced calls come in the tool parser's markup, not as JSON."""
+        return self.forced_guided(parsed) is not None
 
     def _special_markers(self, parsed: ParsedRequest) -> set[str]:
         """The markers of the parsers `parsed` uses that are special tokens here."""
@@ -75,7 +100,8 @@ class OutputParsers:
         tool = self._tool_parser(parsed)
         reasoning = self._reasoning_parser(parsed)
         tools = parsed.tools
-        forced = tools if tools is not None and tools.is_forced else None
+        # A forced choice that no parser reads is bare JSON, turned into calls whole.
+        forced = tools if tools is not None and tools.is_forced and tool is None else None
         max_calls = None if tools is None or tools.parallel else 1
         return ChatOutput(special_texts=dropped,
                           reasoning=reasoning.stream() if reasoning is not None else None,

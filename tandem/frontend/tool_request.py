@@ -11,6 +11,10 @@ tool_choice:
     schema>}; required: an array, at least one item, of such objects for any tool) and the JSON
     becomes the calls directly, with no markup and no parser needed. Such a request cannot also
     carry a structured-output constraint (response_format, guided_*).
+    Where the deployment's tool parser has a grammar of its own for a forced call
+    (ToolFormat.forced_grammar: harmony, whose gpt-oss would be out of its format writing bare
+    JSON), that grammar replaces the schema and the parser reads the calls
+    (tandem.frontend.output_parsers).
 parallel_tool_calls (default true): false allows at most one call: "required" gets maxItems 1
 in its schema; "auto" keeps the first call parsed and drops any later one.
 
@@ -78,6 +82,14 @@ class ToolRequest:
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
+
+    def forced_functions(self) -> dict[str, dict[str, Any]]:
+        """Name -> parameters schema of each function a forced choice may call (the named one,
+        or every tool for "required"), in the client's order; empty for none/auto."""
+        if not self.is_forced:
+            return {}
+        return {t.name: t.parameters for t in self.tools
+                if self.choice == "required" or t.name == self.function}
 
     def calls_from_json(self, text: str) -> list[tuple[str, str]] | None:
         """(name, arguments JSON) of each call in a forced choice's output; None when the text

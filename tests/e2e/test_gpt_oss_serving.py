@@ -6,7 +6,8 @@ with a harmony chat template (tests/chat_templates.py), served disaggregated by 
 What these tests show: the server renders the harmony prompt (reasoning effort, tools, a tool
 result) exactly as transformers does; its greedy tokens on that prompt equal transformers', over
 the sliding-window and full layers, disaggregated and on the decode worker alone; a forced
-tool_choice comes back as a well-formed call, streamed and not; and the chat answer is the
+tool_choice (named or "required") comes back as a well-formed call, streamed and not, that the
+model wrote as a harmony call message (not bare JSON); and the chat answer is the
 parsers applied to the served model's own token stream. What they cannot show: a random model
 never writes a real analysis message, so reasoning_content from channels is shown on a scripted
 harmony answer, tokenized by the same tokenizer and fed to the parsers token by token
@@ -192,17 +193,40 @@ def test_greedy_tokens_equal_transformers_disaggregated_and_aggregated(
     wait_idle(decode, prefill)
 
 
+#: tool_choice -> the functions it forces (name -> parameters schema).
+FORCED: dict[str, tuple[Any, dict[str, Any]]] = {
+    "named": ({"type": "function", "function": {"name": "get_weather"}},
+              {"get_weather": WEATHER}),
+    "required": ("required", {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}),
+}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_forced_tool_choice_makes_a_well_formed_call(
-        client: openai.OpenAI, topo: Topology, stream: bool) -> None:
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+@pytest.mark.parametrize("forced", list(FORCED))
+def test_forced_tool_choice_makes_a_well_formed_harmony_call(
+        client: openai.OpenAI, topo: Topology, reference: Reference, forced: str,
+        stream: bool) -> None:
+    """The call comes back whole, its arguments valid for its function; the model wrote it as a
+    harmony call message (the grammar of tandem.frontend.parsers.harmony_grammar), not as bare
+    JSON: the raw text is a completion of the same prompt under the same grammar (greedy, so the
+    same tokens), special tokens kept, and the parsers make the same call of it."""
+    from tandem.frontend.parsers import reasoning_parser, tool_parser
+    from tandem.frontend.parsers.harmony import HarmonyFormat
+
+    choice, functions = FORCED[forced]
+    # The grammar lets the model open an analysis message first. A random model that does
+    # never ends it (random text), so this prompt is one on which its greedy choice after
+    # `<|channel|>` is commentary: on "Weather in Paris?" it is analysis, and the answer is cut
+    # by max_tokens ("length"). The analysis path is covered by tests/unit/test_harmony_grammar.
+    messages = [{"role": "user", "content": "How warm is it in Rome?"}]
     kwargs: dict[str, Any] = dict(model=topo.model, messages=messages, tools=TOOLS,
                                   tool_choice=choice, max_tokens=200, temperature=0)
     if stream:
         calls: dict[int, dict[str, str]] = {}
-        finish, content = None, ""
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
+        finish, content, usage = None, "", None
+        for chunk in client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs):
+            usage = chunk.usage or usage
             if not chunk.choices:
                 continue
             delta = chunk.choices[0].delta
@@ -216,13 +240,27 @@ def test_forced_tool_choice_makes_a_well_formed_call(
         found = [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
     else:
         answer = client.chat.completions.create(**kwargs)
-        finish = answer.choices[0].finish_reason
+        finish, usage = answer.choices[0].finish_reason, answer.usage
         content = answer.choices[0].message.content or ""
         found = [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
                  for c in answer.choices[0].message.tool_calls or []]
     assert finish == "tool_calls" and not content
-    assert [name for name, _ in found] == ["get_weather"]
-    jsonschema.validate(json.loads(found[0][1]), WEATHER)
+    ((name, arguments),) = found  # one call: gpt-oss makes one per turn
+    assert name in functions
+    jsonschema.validate(json.loads(arguments), functions[name])
+
+    completion = client.completions.create(
+        model=topo.model, prompt=reference.chat_ids(messages, tools=TOOLS), max_tokens=200,
+        temperature=0, extra_body={"guided_grammar": HarmonyFormat().forced_grammar(functions, 0),
+                                   "skip_special_tokens": False})
+    assert usage is not None and completion.usage is not None
+    assert usage.completion_tokens == completion.usage.completion_tokens
+    raw = completion.choices[0].text
+    assert raw.startswith("<|channel|>") and not raw.lstrip().startswith("{")
+    assert f"<|channel|>commentary to=functions.{name}" in raw and "<|message|>" in raw
+    parsed = tool_parser("harmony").parse(reasoning_parser("gpt_oss").parse(raw).content)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        (name, json.loads(arguments))]
 
 
 def test_chat_answer_is_the_parsers_on_the_served_tokens(

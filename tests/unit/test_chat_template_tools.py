@@ -11,12 +11,13 @@ from typing import Any, cast
 import pytest
 
 from services.frontend.inference import _chunk, openai_body
-from tandem.engines.types import FinishReason, Usage
+from tandem.engines.types import FinishReason, GuidedDecoding, GuidedKind, Usage
 from tandem.errors import InvalidRequest
 from tandem.frontend.frontend import Frontend, ModelInfo
 from tandem.frontend.openai_request import parse_request
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.parsers import tool_parser
+from tandem.frontend.parsers.harmony import HarmonyFormat
 from tandem.frontend.pipeline import Delta, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
 from tandem.launcher.deployment import Deployment, processes
@@ -48,9 +49,10 @@ def model_dir(tmp_path: pathlib.Path, template: str | None) -> pathlib.Path:
 
 
 def frontend(tmp_path: pathlib.Path, template: str | None = QWEN_TOOLS,
-             parsers: OutputParsers | None = None) -> Frontend:
+             parsers: OutputParsers | None = None, json_whitespace: int = 0) -> Frontend:
     tokenizer = Tokenizer.from_dir(model_dir(tmp_path, template))
-    return Frontend(ModelInfo("m", 4096), tokenizer, cast(Pipeline, None), parsers=parsers)
+    return Frontend(ModelInfo("m", 4096), tokenizer, cast(Pipeline, None), parsers=parsers,
+                    json_whitespace=json_whitespace)
 
 
 def chat(**fields: Any) -> Any:
@@ -96,6 +98,24 @@ async def test_what_the_template_or_deployment_would_drop_is_refused(
     # a forced choice needs no parser: the grammar enforces it
     prepared = await no_parser.prepare(chat(tools=[WEATHER], tool_choice="required"))
     assert prepared.sampling.guided is not None
+
+
+async def test_a_forced_choice_is_enforced_in_the_tool_parsers_own_grammar(
+        tmp_path: pathlib.Path) -> None:
+    """Harmony's forced-call grammar (its arguments under --json-whitespace) replaces the
+    bare-JSON schema; other parsers keep the schema."""
+    parameters = WEATHER["function"]["parameters"]  # type: ignore[index]
+    request = chat(tools=[WEATHER], tool_choice="required")
+    harmony = frontend(tmp_path / "a", parsers=OutputParsers(tool_parser("harmony")),
+                       json_whitespace=2)
+    prepared = await harmony.prepare(request)
+    assert prepared.sampling.guided == GuidedDecoding(
+        GuidedKind.GRAMMAR, HarmonyFormat().forced_grammar({"get_weather": parameters}, 2))
+    hermes = frontend(tmp_path / "b", parsers=OutputParsers(tool_parser("hermes")),
+                      json_whitespace=2)
+    prepared = await hermes.prepare(request)
+    assert prepared.sampling.guided == GuidedDecoding(
+        GuidedKind.JSON_SCHEMA, request.guided.spec, json_whitespace=2)
 
 
 async def test_reasoning_effort_reaches_a_template_that_reads_it(tmp_path: pathlib.Path) -> None:

@@ -157,6 +157,18 @@ def test_required_choice_schema_is_an_array_of_calls(parallel: bool) -> None:
             jsonschema.validate(two, schema)
 
 
+def test_forced_functions_are_what_a_forced_choice_may_call() -> None:
+    no_parameters = {"type": "object", "properties": {}}
+    weather = WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert tools_of(tools=[WEATHER, TIME], tool_choice="required").forced_functions() == {
+        "get_weather": weather, "get_time": no_parameters}
+    assert tools_of(tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}).forced_functions() == {
+        "get_time": no_parameters}
+    for choice in ("auto", "none"):
+        assert tools_of(tools=[WEATHER], tool_choice=choice).forced_functions() == {}
+
+
 def test_calls_from_json() -> None:
     required = tools_of(tools=[WEATHER, TIME], tool_choice="required")
     assert required.calls_from_json(

@@ -12,11 +12,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tandem.engines.types import FinishReason, TokenLogprob, Usage
+from tandem.engines.types import FinishReason, GuidedKind, TokenLogprob, Usage
 from tandem.frontend.openai_request import parse_request
 from tandem.frontend.openai_stream import OpenAIResponder
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.parsers import reasoning_parser, tool_parser
+from tandem.frontend.parsers.harmony_text import ALL_MARKERS
 from tandem.frontend.pipeline import Delta
 from tandem.frontend.special_text import SpecialTextFilter
 
@@ -244,6 +245,51 @@ def test_markup_inside_a_call_region_survives_the_special_token_removal() -> Non
     assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
         ("get_weather", PARIS), ("get_time", "{}")]
     assert got["content"] == ""
+
+
+HARMONY = OutputParsers(tool_parser("harmony"), reasoning_parser("gpt_oss"),
+                        frozenset({*ALL_MARKERS, "<|endoftext|>"}))
+#: A forced call as gpt-oss writes it under the harmony grammar (`<|call|>`, its EOS, unseen).
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                + PARIS)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_forced_choices_under_harmony_are_harmony_calls_read_by_the_parsers(size: int) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, tools in ((named, [WEATHER]), ("required", [WEATHER, TIME])):
+        parsed = parse_request(body(tools=tools, tool_choice=choice), "chat")
+        guided = HARMONY.forced_guided(parsed)
+        assert guided is not None and guided.kind is GuidedKind.GRAMMAR
+        assert "to=functions." in guided.spec
+        assert not HARMONY.skip_special_tokens(parsed)  # the markers reach the parsers
+        got = assemble(stream(responder(HARMONY, tools=tools, tool_choice=choice),
+                              deltas(HARMONY_CALL, size)))
+        assert (got["reasoning"], got["content"]) == ("Need the weather.", "")
+        assert got["finish"] == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
+            ("get_weather", PARIS)]
+        reply = whole(responder(HARMONY, tools=tools, tool_choice=choice),
+                      deltas(HARMONY_CALL, size))
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+        assert official_calls(iter(message.tool_calls or [])) == [("get_weather", PARIS)]
+    # Cut by max_tokens: the unfinished call is content, as under "auto".
+    cut = whole(responder(HARMONY, tools=[WEATHER], tool_choice=named),
+                deltas(HARMONY_CALL[:-4], size, FinishReason.LENGTH))
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert (cut.choices[0].message.content or "").endswith(PARIS[:-4])
+
+
+def test_other_parsers_keep_bare_json_for_forced_choices() -> None:
+    named = parse_request(body(tools=[WEATHER], tool_choice="required"), "chat")
+    for parsers in (HERMES, LLAMA, OutputParsers()):
+        assert parsers.forced_guided(named) is None
+    assert named.guided is not None and named.guided.kind is GuidedKind.JSON_SCHEMA
+    for fields in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
+        assert HARMONY.forced_guided(parse_request(body(tools=[WEATHER], **fields),
+                                                   "chat")) is None
 
 
 def test_special_text_filter_removes_split_strings() -> None:

@@ -9,13 +9,16 @@ to move it to `reasoning_content`; that one passes messages to a recipient on ve
 included, for this one to read.
 Messages to other recipients (the built-in `browser.*` and `python` tools) are content too: they
 are not function calls in the OpenAI sense.
+A forced tool_choice is enforced as one such call message, not as bare JSON (harmony_grammar.py).
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from tandem.frontend.parsers._json import dump_arguments, loads_object
 from tandem.frontend.parsers._text import find_first
+from tandem.frontend.parsers.harmony_grammar import forced_call_ebnf
 from tandem.frontend.parsers.harmony_text import (
     ALL_MARKERS,
     END_TOKENS,
@@ -62,3 +65,7 @@ class HarmonyFormat(ToolFormat):
         if args is None:  # the whole message, raw, becomes content
             return Region(consumed, (buf[:consumed],))
         return Region(consumed, (RawCall(name, dump_arguments(args)),))
+
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any]],
+                       json_whitespace: int) -> str | None:
+        return forced_call_ebnf(functions, json_whitespace)

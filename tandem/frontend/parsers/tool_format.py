@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tandem.frontend.parsers._brackets import BracketScanner
 
@@ -104,3 +105,21 @@ class ToolFormat(ABC):
         emits the opening marker as content and scans on after it, so the raw text survives);
         None if more text is needed.
         """
+
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any]],
+                       json_whitespace: int) -> str | None:
+        """How a forced tool_choice (required, or a named function) is enforced in this format.
+
+        Args:
+            functions: name -> parameters JSON schema of the functions the output may call.
+            json_whitespace: most whitespace characters between two tokens of the arguments'
+                JSON (0: compact), as --json-whitespace.
+        Returns:
+            An EBNF grammar (as xgrammar reads it) whose language is a call in this format's
+            markup, which `read_region` then reads like any other; None (the default): the call
+            is enforced as bare JSON instead (tandem.frontend.tool_request), for formats whose
+            models write JSON calls anyway.
+        Raises:
+            GrammarError: a parameters schema the grammar cannot hold.
+        """
+        return None

@@ -23,7 +23,8 @@ the text was split into deltas.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from tandem.frontend.parsers._text import TrimmedText, find_first, held_suffix, leading_marker
 from tandem.frontend.parsers.tool_format import (
@@ -170,6 +171,11 @@ class ToolParser:
     def stream(self) -> ToolCallStream:
         """A fresh per-request streaming splitter."""
         return ToolCallStream(self._fmt)
+
+    def forced_grammar(self, functions: Mapping[str, Mapping[str, Any]],
+                       json_whitespace: int) -> str | None:
+        """The format's grammar for a forced call (ToolFormat.forced_grammar); None: bare JSON."""
+        return self._fmt.forced_grammar(functions, json_whitespace)
 
     def parse(self, text: str) -> ToolParse:
         """Splits a whole output into content and tool calls."""
