@@ -123,7 +123,7 @@ def attention_rows() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gemv-sweep", action="store_true",
-                        help="batch 1: cuBLAS vs the GEMV's tiles (how GEMV_CONFIG was chosen)")
+                        help="batch 1: cuBLAS vs the GEMV's tiles (the tiles GEMV_CONFIGS autotunes over)")
     parser.add_argument("--attention", action="store_true",
                         help="decode attention per context split size (SPLIT_TOKENS)")
     args = parser.parse_args()

@@ -8,6 +8,7 @@ prefill, prefix-cache hits, preemption) and test_reference_model.py (logits, via
 """
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import shutil
 from typing import Any
@@ -18,8 +19,15 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 
-from tandem.engines.reference.attention import decode_attention, prefill_attention, write_kv
+from tandem.engines.args import EngineArgs
+from tandem.engines.reference.attention import (
+    decode_attention,
+    prefill_attention,
+    sink_prefill,
+    write_kv,
+)
 from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.engine import create_reference_engine
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.moe import GptOssMoeBlock
 from tandem.engines.reference.rope import RotaryEmbedding, attention_factor, inverse_frequencies
@@ -174,6 +182,20 @@ def test_sink_attention_equals_transformers(window: int | None, decode: bool) ->
                                attend(q, cache, meta, window, None), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 5, 13, 40])
+def test_sink_prefill_equals_transformers(window: int | None) -> None:
+    """The CUDA path of a whole prompt's sink attention (flash attention's log-sum-exp for
+    the sink's share; windows in chunks), run here through torch's CPU flash attention."""
+    generator = torch.Generator().manual_seed(2)
+    length = 29
+    q, k, v = (torch.randn(length, heads, HEAD_SIZE, generator=generator)
+               for heads in (HEADS, KV_HEADS, KV_HEADS))
+    sinks = 2.0 * torch.randn(HEADS, generator=generator)
+    ours = sink_prefill(*(x.transpose(0, 1)[None] for x in (q, k, v)), window, sinks)
+    torch.testing.assert_close(ours[0].transpose(0, 1), _hf_sink_attention(q, k, v, sinks, window),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_block_equals_transformers_bit_for_bit(model_dir: pathlib.Path,
                                                    dtype: torch.dtype) -> None:
@@ -227,3 +249,33 @@ async def test_greedy_matches_transformers_past_the_window(model_dir: pathlib.Pa
         assert engine.pool.num_used == 0
     finally:
         await engine.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_graphs_decode_gpt_oss_as_eager(model_dir: pathlib.Path,
+                                             tmp_path: pathlib.Path) -> None:
+    """In bfloat16 on CUDA, gpt-oss decodes through the Triton kernels (sinks in the paged
+    attention, routing and experts in moe_kernels) with no host sync, so CUDA graphs hold its
+    steps; a batch past the window gives the same greedy tokens with graphs as without.
+    Dummy weights: the device's transformers may save gpt-oss's experts in another layout.
+    Synchronous (asyncio.run): the GPU machine's pytest has no asyncio plugin."""
+    shutil.copyfile(model_dir / "config.json", tmp_path / "config.json")
+
+    async def tokens(eager: bool) -> list[list[int]]:
+        engine = create_reference_engine(EngineArgs(
+            model=str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy",
+            kv_block_size=16, num_gpu_blocks=256, enforce_eager=eager))
+        assert (engine.graphs is None) == eager
+        await engine.start()
+        try:
+            out = await run(engine, prompts(engine.vocab_size, [3, 29, 12], seed=15))
+            if not eager:
+                assert engine.graphs is not None and engine.graphs.graphs  # graphs were used
+            return [t for t, _ in out]
+        finally:
+            await engine.close()
+
+    assert asyncio.run(tokens(eager=False)) == asyncio.run(tokens(eager=True))

@@ -1,18 +1,20 @@
 """The reference engine's Triton kernels against the PyTorch path they replace, on fresh random
-inputs (skipped without a GPU; run on the GPU machine): residual add + RMSNorm, RoPE + cache
-write, paged decode attention (with and without context splits, GQA groups, sliding windows),
-SiLU-and-mul. Outputs are poisoned first, so an element left unwritten fails; bf16 results are
-compared by relative norm error (METHOD: bf16 lands between 1e-3 and 1e-2)."""
+inputs (skipped without a GPU; run on the GPU machine): residual add + RMSNorm (also summing an
+MoE layer's slots), RoPE + cache write, paged decode attention (with and without context splits,
+GQA groups, sliding windows, gpt-oss's sinks), SiLU-and-mul, GEMV and skinny GEMM (with biases),
+gpt-oss's MoE kernels. Outputs are poisoned first, so an element left unwritten fails; bf16
+results are compared by relative norm error (METHOD: bf16 lands between 1e-3 and 1e-2)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engines.reference import kernels
+from tandem.engines.reference import kernels, moe_kernels
 from tandem.engines.reference.attention import decode_attention, write_kv
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import RMSNorm
+from tandem.engines.reference.moe import GptOssMoeBlock
 from tandem.engines.reference.rope import RotaryEmbedding, apply_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None,
@@ -134,3 +136,120 @@ def test_skinny_gemm(rows: int) -> None:
     odd = torch.randn(1000, 300, device="cuda", dtype=DTYPE)  # edges of every tile
     assert rel_err(kernels.skinny_gemm(x[:, :300].contiguous(), odd),
                    x[:, :300].double() @ odd.double().T) < 4e-3
+
+
+def test_add_rms_norm_sums_parts_first() -> None:
+    norm = RMSNorm(2880, 1e-5).cuda().to(DTYPE)
+    parts = torch.randn(9, 4, 2880, device="cuda", dtype=DTYPE)
+    residual = torch.randn(9, 2880, device="cuda", dtype=DTYPE)
+    out, summed = kernels.add_rms_norm(parts, norm.weight, norm.eps, residual)
+    assert torch.equal(summed, parts.sum(1) + residual)  # torch's sum rounds once, too
+    assert rel_err(out, norm(parts.sum(1) + residual)) < 4e-3
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_linear_with_bias(rows: int) -> None:
+    layer = torch.nn.Linear(2880, 5120).cuda().to(DTYPE)
+    x = torch.randn(rows, 2880, device="cuda", dtype=DTYPE)
+    with torch.no_grad():
+        ref = x.double() @ layer.weight.double().T + layer.bias.double()
+        assert rel_err(kernels.linear(x, layer), ref) < 4e-3
+
+
+def _poisoned_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    junk = torch.full_like(q, float("nan"))  # its block is what the kernel's output gets next
+    del junk
+    return kernels.paged_decode_attention(q, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("lens", "window"), [
+    ([1, 17, 300, 1100], None),  # 3 splits
+    ([1, 17, 300, 1100], 128),  # gpt-oss's sliding layers: one piece
+    ([40, 600], 8),
+])
+def test_paged_decode_attention_with_sinks(lens: list[int], window: int | None) -> None:
+    heads, kv_heads, head, block = 64, 8, 64, 32  # gpt-oss's shape
+    width = max(-(-n // block) for n in lens) + 2
+    blocks = len(lens) * width + 3
+    cache = torch.randn(2, blocks, block, kv_heads, head, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(blocks, device="cuda")[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head, device="cuda", dtype=DTYPE)
+    sinks = (2 * torch.randn(heads, device="cuda")).to(DTYPE)
+    context = torch.tensor(lens, device="cuda")
+    meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long, device="cuda"),
+                             list(range(len(lens) + 1)), lens, context, tables, block, True)
+    ref = decode_attention(q.double(), cache.double(), meta, window, sinks.double())
+    out = _poisoned_attention(q, cache, tables, context, block, window, sinks=sinks)
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(decode_attention(q, cache, meta, window, sinks), ref) < 1e-2  # a fair bar
+    assert rel_err(kernels.paged_decode_attention(q, cache, tables, context, block, window),
+                   ref) > 5e-2  # the sinks matter
+    narrow = kernels.paged_decode_attention(q, cache, tables[:, :width - 2], context, block,
+                                            window, sinks=sinks)
+    assert torch.equal(out, narrow)  # independent of the table's padding (CUDA graphs)
+
+
+def _tie_free_logits(tokens: int, experts: int) -> torch.Tensor:
+    """Router logits with no two equal in a row (exact in bf16), so that any correct top-k
+    picks the same experts."""
+    ranks = torch.stack([torch.randperm(experts, device="cuda") for _ in range(tokens)])
+    return (ranks.float() * 0.25 - 2).to(DTYPE)
+
+
+def _moe_reference(x: torch.Tensor, block: GptOssMoeBlock, logits: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts in float64 for the routing of `logits`: [T, H]."""
+    top, ids = torch.topk(logits.double(), block.top_k, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    e = block.experts
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t, k in zip(*torch.ones_like(ids).nonzero(as_tuple=True)):
+        expert = ids[t, k]
+        h = x[t].double() @ e.gate_up_proj[expert].double() + e.gate_up_proj_bias[expert].double()
+        gate = h[::2].clamp(max=block.limit)
+        up = h[1::2].clamp(min=-block.limit, max=block.limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * block.alpha)
+        out[t] += weights[t, k] * (h @ e.down_proj[expert].double() + e.down_proj_bias[expert])
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 64, 200])
+def test_gpt_oss_moe_routing(tokens: int) -> None:
+    experts, top_k = 16, 4
+    logits = _tie_free_logits(tokens, experts)
+    weights, order, ends, active = moe_kernels.route(logits, top_k)
+    top, ids = torch.topk(logits.float(), top_k, dim=-1)
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=experts)
+    assert torch.equal(ends.long(), counts.cumsum(0))
+    assert torch.equal(order.long().sort().values, torch.arange(tokens * top_k, device="cuda"))
+    grouped = flat[order.long()]
+    assert torch.equal(grouped, grouped.sort().values)  # pairs grouped by expert...
+    for start, end in zip([0, *ends[:-1].tolist()], ends.tolist()):
+        assert (order[start:end].diff() > 0).all()  # ...in (token, slot) order within one
+    used = counts.nonzero().flatten()
+    assert torch.equal(active[:used.numel()].long(), used)
+    assert (active[used.numel():] == -1).all()
+    assert rel_err(weights.view(tokens, top_k), torch.softmax(top, -1)) < 4e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 64, 200])
+def test_gpt_oss_moe_kernels(tokens: int) -> None:
+    """Both grouped GEMMs with their epilogues (biases, clamped SwiGLU, routing weights)
+    against float64 on the same routing; the torch path meets the same bar."""
+    block = GptOssMoeBlock(512, 256, 16, 4, 1.702, 7.0).cuda()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.1)  # gate_up outputs of std ~2.3: the clamps at 7 bite
+    block = block.to(DTYPE)
+    x = torch.randn(tokens, 512, device="cuda", dtype=DTYPE)
+    logits = _tie_free_logits(tokens, 16)
+    e = block.experts
+    with torch.no_grad():
+        junk = torch.full((tokens * 4 * 512,), float("nan"), device="cuda", dtype=DTYPE)
+        del junk
+        slots = moe_kernels.experts(x, logits, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
+                                    e.down_proj_bias, 4, block.alpha, block.limit)
+        ref = _moe_reference(x, block, logits)
+        assert rel_err(slots.sum(1), ref) < 1e-2
+        assert block.runs_fused(x)
+        assert torch.equal(block(x), block.forward_slots(x).sum(1))

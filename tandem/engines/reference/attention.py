@@ -6,7 +6,9 @@ Two paths, both on torch's scaled_dot_product_attention:
   * `decode_attention`: every sequence has one new token; all sequences in ONE SDPA over a padded
     gather of their blocks, masked by `context_lens_t`. No loop, no host sync: the GPU decode path.
 With attention sinks (gpt-oss) both paths compute the same attention in plain matmuls instead
-(`sink_attention`), since SDPA has no place for the sink's extra logit.
+(`sink_attention`), since SDPA has no place for the sink's extra logit; on CUDA in half
+precision a whole prompt takes `sink_prefill` (flash attention, or window-sized chunks) and
+decode the Triton kernel (kernels.paged_decode_attention).
 """
 from __future__ import annotations
 
@@ -77,8 +79,12 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
         v = v_blocks[block_ids].flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         if sinks is not None:
-            visible = _visible(num_new, context_len, sliding_window, q.device)
-            out[start:end] = sink_attention(qs, k, v, visible, sinks).squeeze(0).transpose(0, 1)
+            if _takes_sink_prefill(q, num_new, context_len):
+                o = sink_prefill(qs, k, v, sliding_window, sinks)
+            else:
+                o = sink_attention(qs, k, v, _visible(num_new, context_len, sliding_window,
+                                                      q.device), sinks)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
             continue
         mask = _prefill_mask(num_new, context_len, sliding_window, q.device)
         # is_causal aligns the diagonal top-left, which is right only when nothing was cached.
@@ -87,6 +93,65 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
                                            is_causal=causal, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _takes_sink_prefill(q: torch.Tensor, num_new: int, context_len: int) -> bool:
+    """Whether `sink_prefill` serves a sequence: CUDA in half precision (CPU and float32 keep
+    transformers' exact operations), a whole prompt (no cached prefix) of more than one
+    token."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and num_new == context_len > 1)
+
+
+def sink_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None,
+                 sinks: torch.Tensor) -> torch.Tensor:
+    """`sink_attention` of a whole prompt on itself (causal, within `sliding_window` if set)
+    without its [heads, L, L] score matrix: q [1, heads, L, D], k, v [1, kv_heads, L, D].
+
+    No window: flash attention, whose log-sum-exp gives the sink's share of the denominator,
+    out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink). A window W shorter than the
+    prompt: queries in chunks of W, each over the 2W keys before its end, through
+    `sink_attention` (scores [L / W, heads, W, 2W]).
+    """
+    length = q.shape[2]
+    if sliding_window is None or sliding_window >= length:
+        group = q.shape[1] // k.shape[1]
+        k = k.to(q.dtype).repeat_interleave(group, dim=1)
+        v = v.to(q.dtype).repeat_interleave(group, dim=1)
+        out, lse = _flash_with_lse(q, k, v)
+        share = torch.sigmoid(lse - sinks.float().reshape(1, -1, 1)).unsqueeze(-1)
+        return (out.float() * share).to(q.dtype)
+    window = sliding_window
+    chunks = -(-length // window)
+    pad = chunks * window - length
+    # Chunk c's queries are positions [cW, (c+1)W); its keys [(c-1)W, (c+1)W).
+    qc = F.pad(q, (0, 0, 0, pad)).view(*q.shape[:2], chunks, window, -1)[0].transpose(0, 1)
+    kv_chunks = []
+    for x in (k, v):
+        padded = F.pad(x, (0, 0, window, pad))  # [1, kv_heads, (chunks + 1) W, D]
+        kv_chunks.append(padded[0].unfold(1, 2 * window, window).permute(1, 0, 3, 2))
+    i = torch.arange(window, device=q.device)[:, None]
+    j = torch.arange(2 * window, device=q.device)[None, :]
+    # Query i of chunk c is at position cW + i, key j at (c - 1)W + j: visible iff
+    # i < j <= i + W (causal, within the window) and the key is not padding before the prompt
+    # (j >= W in chunk 0).
+    visible = ((j > i) & (j <= i + window))[None, None]
+    first = torch.arange(chunks, device=q.device)[:, None, None, None] > 0
+    visible = visible & (first | (j >= window))
+    out = sink_attention(qc, kv_chunks[0], kv_chunks[1], visible, sinks)
+    return out.transpose(0, 1).reshape(1, q.shape[1], chunks * window, -1)[:, :, :length]
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention [B, H, L, D] and its log-sum-exp [B, H, L] (float32, natural log of
+    the softmax denominator), through torch's flash attention."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False)[:2]
+    else:  # for checks on the CPU
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    return out, lse
 
 
 def _prefill_mask(num_new: int, context_len: int, sliding_window: int | None,
@@ -183,9 +248,9 @@ class Attention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
-        """`forward` through the Triton kernels (CUDA, half precision, no q/k norm, no sinks:
+        """`forward` through the Triton kernels (CUDA, half precision, no q/k norm:
         DecoderModel._fusable sends those to `forward`): RoPE and the cache write in one
-        kernel, decode attention read in place from the blocks."""
+        kernel, decode attention (with gpt-oss's sinks) read in place from the blocks."""
         num_tokens = x.shape[0]
         q = kernels.rope_and_cache(kernels.linear(x, self.qkv_proj), rope_table, positions,
                                    kv_layer, meta.slot_mapping, self.num_heads,
@@ -193,7 +258,7 @@ class Attention(nn.Module):
         if meta.is_decode_only:
             o = kernels.paged_decode_attention(q, kv_layer, meta.block_tables,
                                                meta.context_lens_t, meta.block_size,
-                                               self.sliding_window)
+                                               self.sliding_window, sinks=self.sinks)
         else:
-            o = prefill_attention(q, kv_layer, meta, self.sliding_window)
+            o = prefill_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
         return kernels.linear(o.reshape(num_tokens, self.q_size), self.o_proj)

@@ -5,6 +5,11 @@ static input buffers. Batches are padded up to their bucket with rows that write
 a scratch block outside the pool (the KV tensor's last block) and attend only to it, so padding
 never touches a real block. Widths are bucketed too because decode attention gathers the whole
 table width: a graph for the model's maximum width would read far more than the batch needs.
+
+MoE models are captured when their decode step has no host sync (DecoderModel.decode_syncs):
+gpt-oss in half precision, whose routing, expert sort and grouped GEMMs run on the device with
+shapes set by the token count alone (moe_kernels). Padding rows are routed like real ones, so
+they may add experts to a step's reads, never change a real row's result.
 """
 from __future__ import annotations
 
@@ -36,20 +41,19 @@ class DecodeGraphs:
             w *= 2
         self.width_buckets = (*widths, max_width)
         max_batch, max_width = self.batch_buckets[-1], self.width_buckets[-1]
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=device)
+        # Rows input ids, positions, slots, context lens: StepInputs.decode_rows' layout.
+        self.rows = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.rows
         self.block_tables = torch.zeros(max_batch, max_width, dtype=torch.long, device=device)
+        #: A padding row's column of `rows`: token 0 at position 0, its K/V in the scratch block.
+        self._pad_column = torch.tensor([[0], [0], [self.scratch_block * self.block_size], [1]],
+                                        device=device)
         self._pad_rows(0, max_batch, max_width)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def _pad_rows(self, start: int, stop: int, width: int) -> None:
-        self.input_ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.slot_mapping[start:stop] = self.scratch_block * self.block_size
-        self.context_lens[start:stop] = 1
+        self.rows[:, start:stop] = self._pad_column
         self.block_tables[start:stop, :width] = self.scratch_block
 
     def buckets(self, num_seqs: int, width: int) -> tuple[int, int] | None:
@@ -58,17 +62,15 @@ class DecodeGraphs:
         w = _bucket(width, self.width_buckets)
         return None if b is None or w is None else (b, w)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def run(self, rows: torch.Tensor, block_tables: torch.Tensor,
             shape: tuple[int, int]) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode step, through the graph of `shape`. The returned
+        """Logits [num_seqs, vocab] of a decode step, through the graph of `shape`: `rows`
+        [4, num_seqs] as StepInputs.decode_rows, `block_tables` [num_seqs, width]. The returned
         tensor is the graph's output buffer: read it before the next step."""
         b, w = shape
-        n, width = meta.block_tables.shape
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.context_lens[:n].copy_(meta.context_lens_t)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        n, width = block_tables.shape
+        self.rows[:, :n].copy_(rows)  # one copy: ids, positions, slots, context lens
+        self.block_tables[:n, :width].copy_(block_tables)
         if width < w:
             self.block_tables[:n, width:w] = self.scratch_block  # masked; finite values
         if n < b:

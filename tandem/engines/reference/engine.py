@@ -75,10 +75,12 @@ class ReferenceEngine(BatchingEngine):
         #: since blocks hashed with them may hold KV computed without their embeddings. Bounded:
         #: the oldest are forgotten (a dict keeps insertion order).
         self._bad_images: dict[str, None] = {}
-        # MoE models decode eagerly: their experts loop reads per-expert token counts on the
-        # host (moe.run_experts), which a CUDA graph cannot capture.
-        self.graphs = (None if device.type != "cuda" or args.enforce_eager or model.spec.is_moe
-                       else DecodeGraphs(model, kv_cache, min(args.max_batch_size, 256),
+        # A model whose decode step syncs with the host (an MoE expert loop reading per-expert
+        # token counts, moe.run_experts) decodes eagerly: a CUDA graph cannot hold the sync.
+        max_graph_batch = min(args.max_batch_size, 256)
+        self.graphs = (None if device.type != "cuda" or args.enforce_eager
+                       or model.decode_syncs(max_graph_batch)
+                       else DecodeGraphs(model, kv_cache, max_graph_batch,
                                          -(-max_model_len // block_size)))
         #: The host KV tier's memory (--kv-host-cache-bytes), None without one.
         host = self.pool.host
@@ -183,11 +185,12 @@ class ReferenceEngine(BatchingEngine):
         """Runs in a worker thread: touches tensors only, never request state (guides are only
         read, to fill the step's grammar bitmask while the device computes the logits)."""
         shape = None
-        if (self.graphs is not None and inputs.meta.is_decode_only and not inputs.prompt_spans
+        rows = inputs.decode_rows
+        if (self.graphs is not None and rows is not None and not inputs.prompt_spans
                 and not inputs.mm_spans):
             shape = self.graphs.buckets(*inputs.meta.block_tables.shape)
-        if shape is not None and self.graphs is not None:
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, shape)
+        if shape is not None and self.graphs is not None and rows is not None:
+            logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
             if not samples:
                 return [], []
             # One new token per sequence, but a one-token prompt chunk may not sample yet.

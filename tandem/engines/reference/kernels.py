@@ -9,8 +9,9 @@ SDPA), each a few microseconds even inside a CUDA graph. These four kernels repl
 * `rope_and_cache`: RoPE on q and k straight from the fused qkv output, and k/v written into
   the paged cache at their slots (one kernel instead of ~20).
 * `paged_decode_attention`: one new token per sequence attending over its blocks, read in
-  place through the block table (no gathered copy), split over the context in pieces of
-  SPLIT_TOKENS (flash-decoding), then one small reduction across the pieces.
+  place through the block table (no gathered copy), split over the context in pieces of at
+  most SPLIT_TOKENS (flash-decoding; more, shorter pieces for small batches), then one small
+  reduction across the pieces; sliding windows and gpt-oss's attention sinks.
 * `silu_and_mul`: SwiGLU's activation on the fused gate/up output.
 * `gemv` and `skinny_gemm`: a decode step's projections (one row, or a batch of up to 64
   rows, times a weight matrix), where cuBLAS' kernels stay well under the copy bandwidth.
@@ -36,21 +37,35 @@ except ImportError:  # pragma: no cover - depends on the install
 
 def available(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve tensors like `x` (CUDA, half precision, Triton here)."""
-    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return serves(x.device, x.dtype)
+
+
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """`available` for tensors of this device and dtype."""
+    return (triton is not None and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16))
 
 
 if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                             PARTS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + row * PARTS * n_cols + cols, mask=mask, other=0.0)
+        if PARTS > 1:  # x is PARTS rows to sum first (float32, rounded once: torch's sum)
+            xs = x.to(tl.float32)
+            for part in tl.static_range(1, PARTS):
+                xs += tl.load(x_ptr + (row * PARTS + part) * n_cols + cols, mask=mask,
+                              other=0.0).to(tl.float32)
+            x = xs.to(x.dtype)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL or PARTS > 1:
             tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
@@ -98,19 +113,21 @@ if triton is not None:
             tl.store(kdst + v_plane + half + d, v2.to(kv_ptr.dtype.element_ty))
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, kv_ptr, table_ptr, ctx_ptr, out_ptr, part_acc_ptr,
-                             part_ml_ptr, scale, window, v_plane, table_stride,
-                             blocks_per_split,
+    def _paged_decode_kernel(q_ptr, kv_ptr, table_ptr, ctx_ptr, sinks_ptr, out_ptr,
+                             part_acc_ptr, part_ml_ptr, scale, window, v_plane, table_stride,
+                             max_blocks_per_split, min_splits,
                              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                              D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
-                             SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                             SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                             HAS_SINKS: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + s)
         num_blocks = tl.cdiv(ctx, BS)
-        lo = split * blocks_per_split
-        hi = tl.minimum(lo + blocks_per_split, num_blocks)
+        per_split = _blocks_per_split(num_blocks, max_blocks_per_split, min_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, num_blocks)
         if HAS_WINDOW:
             lo = tl.maximum(lo, tl.maximum(ctx - window, 0) // BS)
         g = tl.arange(0, BLOCK_G)
@@ -122,6 +139,13 @@ if triton is not None:
                     other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_SINKS:
+            # The sink is one more logit in the softmax's denominator (with no value): the
+            # running max and sum start from it, in the first piece only.
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32)
+            sink = tl.where(split == 0, sink, float("-inf"))
+            m_i = sink
+            l_i = tl.where(sink > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         for b in range(lo, hi):
             block = tl.load(table_ptr + s * table_stride + b).to(tl.int64)
@@ -151,24 +175,43 @@ if triton is not None:
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
     @triton.jit
-    def _reduce_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, D: tl.constexpr,
-                              SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # s * H + head
-        i = tl.arange(0, BLOCK_SPLITS)
-        d = tl.arange(0, D)
-        mask = i < SPLITS
-        m = tl.load(part_ml_ptr + (row * SPLITS + i) * 2, mask=mask, other=float("-inf"))
-        lsum = tl.load(part_ml_ptr + (row * SPLITS + i) * 2 + 1, mask=mask, other=0.0)
-        m_max = tl.max(m, 0)
-        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-        acc = tl.load(part_acc_ptr + (row * SPLITS + i)[:, None] * D + d[None, :],
-                      mask=mask[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-        tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+    def _blocks_per_split(num_blocks, max_blocks_per_split, min_splits):
+        """A sequence's piece of context per program: `min_splits` pieces, none longer than
+        `max_blocks_per_split` blocks. Depends on the sequence's own context alone (never on
+        the table width or batch a CUDA graph pads to), so graphs and eager agree."""
+        return tl.minimum(max_blocks_per_split, tl.maximum(tl.cdiv(num_blocks, min_splits), 1))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, n_rows, k_cols, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+    def _reduce_splits_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, out_ptr,
+                              max_blocks_per_split, min_splits, H: tl.constexpr,
+                              D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # s * H + head
+        ctx = tl.load(ctx_ptr + row // H)
+        num_blocks = tl.cdiv(ctx, BS)
+        pieces = tl.cdiv(num_blocks, _blocks_per_split(num_blocks, max_blocks_per_split,
+                                                         min_splits))
+        d = tl.arange(0, D)
+        one = tl.arange(0, 1)
+        m_run = tl.full([1], float("-inf"), tl.float32)
+        l_run = tl.zeros([1], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        # The sequence's own pieces, in order (padding pieces past them are empty): the sum's
+        # order does not depend on how many programs the grid had.
+        for i in range(0, pieces):
+            part = row * SPLITS + i
+            m = tl.load(part_ml_ptr + part * 2 + one)
+            lsum = tl.load(part_ml_ptr + part * 2 + 1 + one)
+            m_new = tl.maximum(m_run, m)
+            keep = tl.where(m_run > float("-inf"), tl.exp(m_run - m_new), 0.0)
+            take = tl.where(m > float("-inf"), tl.exp(m - m_new), 0.0)
+            acc = acc * keep + tl.load(part_acc_ptr + part * D + d) * take
+            l_run = l_run * keep + lsum * take
+            m_run = m_new
+        tl.store(out_ptr + row * D + d, (acc / l_run).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, k_cols, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -185,6 +228,8 @@ if triton is not None:
                 x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
+        if HAS_BIAS:  # added before the one rounding, as cuBLAS' bias epilogue does
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.autotune(configs=[
@@ -193,9 +238,9 @@ if triton is not None:
                             (64, 64, 4, 5), (16, 256, 4, 4), (64, 128, 8, 3))],
         key=["n_rows", "k_cols", "BLOCK_M"])
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, m_rows, n_rows, k_cols,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m_rows, n_rows, k_cols,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
@@ -210,6 +255,8 @@ if triton is not None:
             w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * k_cols + k[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + m[:, None] * n_rows + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -230,14 +277,18 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual) for x [T, N]; without `residual`,
-    (RMSNorm(x) * weight, x)."""
-    num_rows, n_cols = x.shape
-    out = torch.empty_like(x)
-    summed = torch.empty_like(x) if residual is not None else x
+    (RMSNorm(x) * weight, x). x may also be [T, P, N], whose P rows are summed first (an MoE
+    layer's per-slot outputs: x.sum(1) + residual, with x.sum(1) rounded once)."""
+    parts = x.shape[1] if x.dim() == 3 else 1
+    num_rows, n_cols = x.shape[0], x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty(num_rows, n_cols, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None or parts > 1 else x
     block = triton.next_power_of_2(n_cols)
     _add_rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out, summed, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PARTS=parts,
+        num_warps=min(max(block // 256, 1), 16))
     return out, summed
 
 
@@ -256,25 +307,41 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     return q
 
 
-#: Context tokens one decode attention program covers (flash-decoding's split). Fixed, not
-#: sized to the batch: a sequence's result then depends only on its own context, never on the
-#: batch or table width it was padded to (CUDA graphs pad both), so graphs and eager agree.
+#: Most context tokens one decode attention program covers (flash-decoding's split). Fixed, not
+#: sized to the batch's table: a sequence's result then depends only on its own context, never
+#: on the batch or table width it was padded to (CUDA graphs pad both), so graphs and eager
+#: agree.
 SPLIT_TOKENS = 512
+#: Batches of at most this many sequences split each context into at least SMALL_BATCH_SPLITS
+#: pieces: with few sequences, one program per 512 tokens leaves most of the GPU idle and the
+#: step waits on a program's serial walk over its blocks. A power of two, so that every CUDA
+#: graph batch bucket lies on one side of it as the batch it pads does.
+SMALL_BATCH = 8
+SMALL_BATCH_SPLITS = 8
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
                            sliding_window: int | None = None,
-                           split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+                           split_tokens: int = SPLIT_TOKENS,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [S, heads, head_size], over the first
     `context_lens[s]` positions of its blocks `block_tables[s]` in `kv_layer`
-    [2, num_blocks, block_size, kv_heads, head_size]. Returns [S, heads, head_size]."""
+    [2, num_blocks, block_size, kv_heads, head_size], or over the last `sliding_window` of them.
+    `sinks` [heads]: gpt-oss's attention sinks (attention.sink_attention), or None.
+    Returns [S, heads, head_size]."""
     num_seqs, num_heads, head_size = q.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
     width = block_tables.shape[1]
-    per_split = max(split_tokens // block_size, 1)
-    splits = math.ceil(width / per_split)
+    max_per_split = max(split_tokens // block_size, 1)
+    min_splits = SMALL_BATCH_SPLITS if num_seqs <= SMALL_BATCH else 1
+    splits = min(max(min_splits, math.ceil(width / max_per_split)), width)
+    if sliding_window is not None and sliding_window <= split_tokens:
+        # A window this short is one piece wherever it lies (the loop starts at the window).
+        splits = 1
+    if splits == 1:  # one program covers the whole context: no pieces to reduce
+        max_per_split, min_splits = width, 1
     out = torch.empty_like(q)
     part_acc = part_ml = out  # unused with one split
     if splits > 1:
@@ -284,15 +351,16 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
                               device=q.device)
     v_plane = (kv_layer[1].data_ptr() - kv_layer[0].data_ptr()) // kv_layer.element_size()
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_layer, block_tables, context_lens, out, part_acc, part_ml,
-        1.0 / math.sqrt(head_size), sliding_window or 0, v_plane, block_tables.stride(0),
-        per_split, H=num_heads, KVH=num_kv_heads, G=group, D=head_size, BS=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), SPLITS=splits,
-        HAS_WINDOW=sliding_window is not None, num_warps=4)
+        q, kv_layer, block_tables, context_lens, sinks if sinks is not None else q, out,
+        part_acc, part_ml, 1.0 / math.sqrt(head_size), sliding_window or 0, v_plane,
+        block_tables.stride(0), max_per_split, min_splits, H=num_heads, KVH=num_kv_heads,
+        G=group, D=head_size, BS=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        num_warps=4)
     if splits > 1:
         _reduce_splits_kernel[(num_seqs * num_heads,)](
-            part_acc, part_ml, out, D=head_size, SPLITS=splits,
-            BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4)
+            part_acc, part_ml, context_lens, out, max_per_split, min_splits, H=num_heads,
+            D=head_size, BS=block_size, SPLITS=splits, num_warps=1)
     return out
 
 
@@ -307,21 +375,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: The GEMV tile (rows, columns per iteration, warps); see benchmarks/reference_gpu_kernels.py.
-GEMV_CONFIG = (16, 1024, 8)
+#: GEMV tiles (rows, columns per iteration, warps), tried per weight shape on first use (before
+#: CUDA-graph capture, in the graphs' warm-up): (16, 1024, 8) served the 8B shape's projections
+#: best (benchmarks/reference_gpu_kernels.py --gemv-sweep); gpt-oss-20b's 2880-wide ones, its
+#: router and LM head took 2 rows per program on the H100 (benchmarks/moe_gpu.py).
+GEMV_CONFIGS = ((16, 1024, 8), (8, 1024, 8), (8, 1024, 4), (4, 1024, 4), (2, 1024, 4),
+                (1, 1024, 4), (2, 2048, 8), (16, 512, 4), (32, 512, 8))
+
+if triton is not None:
+    _gemv_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                 for n, k, w in GEMV_CONFIGS],
+        key=["n_rows", "k_cols", "SWIGLU", "HAS_BIAS"])(_gemv_kernel)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor,
-         config: tuple[int, int, int] = GEMV_CONFIG, swiglu: bool = False) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T -> [1, N], float32 accumulation: a batch-1 decode step's
-    projections read their weights at closer to the copy bandwidth than cuBLAS' kernels. With
-    `swiglu`, x is [1, 2K] ([gate | up]) and the product is silu_and_mul(x) @ weight.T."""
+         config: tuple[int, int, int] | None = None, swiglu: bool = False,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias [N]) -> [1, N], float32 accumulation: a batch-1
+    decode step's projections read their weights at closer to the copy bandwidth than cuBLAS'
+    kernels. With `swiglu`, x is [1, 2K] ([gate | up]) and the product is
+    silu_and_mul(x) @ weight.T. `config`: one tile of GEMV_CONFIGS' form instead of the
+    fastest of them."""
     n_rows, k_cols = weight.shape
     out = torch.empty(1, n_rows, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config
-    _gemv_kernel[(triton.cdiv(n_rows, block_n),)](x, weight, out, n_rows, k_cols,
-                                                  BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  SWIGLU=swiglu, num_warps=warps)
+    args = (x, weight, bias if bias is not None else weight, out, n_rows, k_cols)
+    flags = {"SWIGLU": swiglu, "HAS_BIAS": bias is not None}
+    if config is None:
+        _gemv_tuned[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_N"]),)](*args, **flags)
+    else:
+        block_n, block_k, warps = config
+        _gemv_kernel[(triton.cdiv(n_rows, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                      num_warps=warps, **flags)
     return out
 
 
@@ -331,30 +416,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
 SKINNY_MAX_ROWS = 64
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> [M, N] for 2 <= M <= SKINNY_MAX_ROWS: every weight tile is
-    read once for all M rows (a decode step is bound by reading the weights); tiles autotuned
-    per shape on first use (before CUDA-graph capture, in the graphs' warm-up)."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] for 2 <= M <= SKINNY_MAX_ROWS: every
+    weight tile is read once for all M rows (a decode step is bound by reading the weights);
+    tiles autotuned per shape on first use (before CUDA-graph capture, in the graphs'
+    warm-up)."""
     m_rows, k_cols = x.shape
     n_rows = weight.shape[0]
     out = torch.empty(m_rows, n_rows, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m_rows))
     _skinny_gemm_kernel[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_N"]),)](
-        x, weight, out, m_rows, n_rows, k_cols, BLOCK_M=block_m)
+        x, weight, bias if bias is not None else weight, out, m_rows, n_rows, k_cols,
+        BLOCK_M=block_m, HAS_BIAS=bias is not None)
     return out
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """`layer(x)`; a decode batch without a bias goes through `gemv` (one row) or
-    `skinny_gemm` (up to SKINNY_MAX_ROWS)."""
+    """`layer(x)`; a decode batch goes through `gemv` (one row) or `skinny_gemm` (up to
+    SKINNY_MAX_ROWS)."""
     rows = x.shape[0]
-    if layer.bias is None and x.is_contiguous() and rows <= SKINNY_MAX_ROWS:
-        return gemv(x, layer.weight) if rows == 1 else skinny_gemm(x, layer.weight)
+    if x.is_contiguous() and rows <= SKINNY_MAX_ROWS:
+        if rows == 1:
+            return gemv(x, layer.weight, bias=layer.bias)
+        return skinny_gemm(x, layer.weight, layer.bias)
     return layer(x)
 
 
 def swiglu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """`layer(silu_and_mul(gate_up))`, in one kernel for one row without a bias."""
-    if gate_up.shape[0] == 1 and layer.bias is None and gate_up.is_contiguous():
-        return gemv(gate_up, layer.weight, swiglu=True)
+    """`layer(silu_and_mul(gate_up))`, in one kernel for one row."""
+    if gate_up.shape[0] == 1 and gate_up.is_contiguous():
+        return gemv(gate_up, layer.weight, swiglu=True, bias=layer.bias)
     return linear(silu_and_mul(gate_up), layer)

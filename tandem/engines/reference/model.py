@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engines.reference import kernels
+from tandem.engines.reference import kernels, moe_kernels
 from tandem.engines.reference.attention import Attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import GatedMLP, RMSNorm
@@ -105,17 +105,31 @@ class DecoderModel(nn.Module):
 
     def _fusable(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the Triton kernels (tandem.engines.reference.kernels) serve this step:
-        CUDA, half precision, no q/k norm, no attention sinks (the paged decode kernel has no
-        sink term yet: gpt-oss runs unfused), head size and block size powers of two >= 16 (the
+        CUDA, half precision, no q/k norm, head size and block size powers of two >= 16 (the
         kernels' matrix tiles)."""
         spec = self.spec
-        return (kernels.available(hidden) and not spec.qk_norm and not spec.attention_sinks
+        return (kernels.available(hidden) and not spec.qk_norm
                 and _pow2_at_least_16(spec.head_size) and _pow2_at_least_16(meta.block_size))
+
+    def decode_syncs(self, max_batch: int) -> bool:
+        """Whether a decode step of up to `max_batch` sequences reads anything on the host,
+        which no CUDA graph can hold. Only MoE layers do: Mixtral's and Qwen3-MoE's expert
+        loop (moe.run_experts), gpt-oss's where its Triton kernels do not serve the batch
+        (float32, or more tokens than their routing kernel holds)."""
+        if not self.spec.is_moe:
+            return False
+        if self.spec.moe_kind != "gpt_oss":
+            return True
+        weight = self.embed_tokens.weight
+        return not moe_kernels.serves(max_batch, self.spec.num_experts,
+                                      self.spec.num_experts_per_tok, weight.device,
+                                      weight.dtype)
 
     def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """`forward` with the residual adds fused into the next RMSNorm (each layer's input
-        norm, then the final norm) and SwiGLU's activation in one kernel."""
+        norm, then the final norm), SwiGLU's activation in one kernel, and gpt-oss's experts
+        through moe_kernels at decode-sized batches."""
         table = self.rotary_emb.cos_sin
         layers = cast("list[DecoderLayer]", list(self.layers))
         first = layers[0].input_layernorm
@@ -129,7 +143,9 @@ class DecoderModel(nn.Module):
             if isinstance(mlp, GatedMLP):
                 out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj),
                                             mlp.down_proj)
-            else:  # no Triton MoE kernel yet: the experts run through torch (moe.run_experts)
+            elif isinstance(mlp, GptOssMoeBlock) and mlp.runs_fused(normed):
+                out = mlp.forward_slots(normed)  # [T, K, H]: add_rms_norm sums the slots
+            else:  # the experts run through torch (moe.run_experts, grouped_mm)
                 out = mlp(normed)
             normed, residual = kernels.add_rms_norm(out, next_norm.weight, next_norm.eps,
                                                     residual)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engines.reference import kernels, moe_kernels
+
 
 def run_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -166,11 +168,14 @@ class GptOssMoeBlock(nn.Module):
 
     All (token, slot) pairs are sorted by expert and run as two grouped GEMMs, the same
     operations as transformers' default "grouped_mm" experts, so float32 results match it
-    bit for bit."""
+    bit for bit. On CUDA in half precision, decode-sized batches take Triton kernels instead
+    (moe_kernels: routing, sorting and both GEMMs with their epilogues in three launches, no
+    host sync), which round the same way but sum in another order."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  alpha: float, limit: float) -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.top_k = top_k
         self.alpha = alpha
         self.limit = limit
@@ -182,7 +187,28 @@ class GptOssMoeBlock(nn.Module):
         top, expert_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         return expert_ids, torch.softmax(top, dim=-1, dtype=top.dtype)
 
+    def runs_fused(self, x: torch.Tensor) -> bool:
+        """Whether `forward_slots` serves tokens x [T, H] (CUDA, half precision, a decode-sized
+        T): the Triton path, free of host syncs, which CUDA graphs can capture."""
+        return moe_kernels.serves(x.shape[0], self.num_experts, self.top_k, x.device, x.dtype)
+
+    def forward_slots(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, K, H]: each (token, slot)'s weighted expert output, through the Triton kernels
+        (moe_kernels; only where `runs_fused`). Their sum over K is `forward`'s output."""
+        experts = self.experts
+        return moe_kernels.experts(x, kernels.linear(x, self.router), experts.gate_up_proj,
+                                   experts.gate_up_proj_bias, experts.down_proj,
+                                   experts.down_proj_bias, self.top_k, self.alpha, self.limit)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_fused(x):
+            return self.forward_slots(x).sum(dim=1)
+        return self.forward_grouped(x)
+
+    def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` through torch: routing, an on-device sort by expert, two grouped GEMMs
+        (F.grouped_mm where torch serves the dtype, else a loop over the groups that reads
+        their sizes on the host)."""
         num_tokens, hidden_size = x.shape
         expert_ids, weights = self.route(x)
         experts = self.experts

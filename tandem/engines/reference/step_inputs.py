@@ -2,6 +2,7 @@
 metadata over the paged KV cache, and which rows of the output to sample."""
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class StepInputs:
     prompt_spans: list[tuple[BatchRequest, int, int, int, int]]
     #: Multimodal rows computed this step, with the request each belongs to.
     mm_spans: list[tuple[BatchRequest, MultimodalSpan]] = field(default_factory=list)
+    #: When every sequence has one new token: [4, S] rows input_ids, positions, slot_mapping,
+    #: context lens (views of one tensor, so a CUDA graph takes them in one copy); else None.
+    decode_rows: torch.Tensor | None = None
 
 
 def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
@@ -96,23 +100,30 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         tables.append(list(blocks[:(end + block_size - 1) // block_size]))
         last_row[id(req)] = len(token_ids) - 1
     width = max((len(t) for t in tables), default=1)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-
     rows = [last_row[id(req)] for req in plan.ready]
     # One host-to-device copy for every index tensor of the step (each copy costs the host
     # ~10 us, which a batch-1 decode step on a GPU pays in full); the tensors are views of it.
+    # Gathered in an int64 array: torch.tensor of a list costs ~0.1 us per element (0.25 ms
+    # for the 2,500 values of 64 sequences of 1,000 tokens, 0.07 ms through the array, on a
+    # development VM). Not pinned: pinning these few hundred bytes each step
+    # bought nothing measurable on the H100 machines (0.23 ms to build a batch-1 step's inputs
+    # pinned, 0.25 ms pageable, two machines).
     parts = (token_ids, positions, slots, context_lens, rows)
-    flat = torch.tensor([v for part in parts for v in part] + [b for t in padded for b in t],
-                        dtype=torch.long).to(device, non_blocking=True)
+    values = array.array("q", itertools.chain(*parts, *(t + [0] * (width - len(t))
+                                                        for t in tables)))
+    flat = torch.frombuffer(values, dtype=torch.long).to(device, non_blocking=True)
     ids_t, positions_t, slots_t, context_t, rows_t, tables_t = flat.split(
-        [*(len(part) for part in parts), len(padded) * width])
+        [*(len(part) for part in parts), len(tables) * width])
+    is_decode_only = all(n == 1 for _, n in plan.scheduled)
+    num_seqs = len(context_lens)
+    decode_rows = flat[:4 * num_seqs].view(4, num_seqs) if is_decode_only else None
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         query_start_loc=query_start,
         context_lens=context_lens,
         context_lens_t=context_t,
-        block_tables=tables_t.view(len(padded), width),
+        block_tables=tables_t.view(len(tables), width),
         block_size=block_size,
-        is_decode_only=all(n == 1 for _, n in plan.scheduled),
+        is_decode_only=is_decode_only,
     )
-    return StepInputs(ids_t, positions_t, meta, rows_t, prompt_spans, mm_spans)
+    return StepInputs(ids_t, positions_t, meta, rows_t, prompt_spans, mm_spans, decode_rows)

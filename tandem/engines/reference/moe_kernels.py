@@ -1,0 +1,207 @@
+"""Triton kernels of gpt-oss's MoE layer for decode-sized batches on CUDA (half precision).
+
+A decode step's MoE layer is bound by reading the routed experts' weights. Two launches do the
+work after the router's projection:
+
+* `_route_kernel` (one program): top-k of each token's router logits, the softmax of those k,
+  and a counting sort of the (token, slot) pairs by expert: each expert's rows end at
+  `ends[e]`, `order` lists the pairs expert by expert (stable: token order within an expert),
+  `active` the experts that received a row, first, then -1.
+* `_expert_gemm_kernel`, twice: a grouped GEMM, one program per (column tile, active expert),
+  that reads its expert's weight tile once for all the rows routed to it. The first runs
+  gate_up with its bias and gpt-oss's clamped SwiGLU fused in; the second down with its bias
+  and the routing weight, writing each row back at its (token, slot) place, so that the sum
+  over slots is one more read (kernels.add_rms_norm sums them with the residual).
+
+Everything stays on the device and every shape depends only on the token count: no host sync,
+so a CUDA graph can hold it. Rounding follows moe.GptOssMoeBlock's torch path op by op (bf16
+after the GEMM, after each bias add and after each step of the activation); the GEMMs
+accumulate in float32 in another order than torch's grouped GEMM, so results agree to bf16
+rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.engines.reference import kernels
+
+triton = kernels.triton
+#: Most (pairs x experts) cells the one-program routing kernel holds (padded to powers of 2):
+#: 512 tokens of gpt-oss-20b (top 4 of 32), 128 of gpt-oss-120b (top 4 of 128).
+MAX_ROUTE_CELLS = 1 << 16
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, order_ptr, ends_ptr, active_ptr, num_tokens,
+                      num_slots, E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        t = tl.arange(0, BLOCK_T)
+        e = tl.arange(0, BLOCK_E)
+        kk = tl.arange(0, BLOCK_K)
+        t_mask = t < num_tokens
+        e_mask = e < E
+        k_mask = kk < K
+        logits = tl.load(logits_ptr + t[:, None] * E + e[None, :],
+                         mask=t_mask[:, None] & e_mask[None, :], other=float("-inf"))
+        logits = logits.to(tl.float32)
+        top_v = tl.full([BLOCK_T, BLOCK_K], float("-inf"), tl.float32)
+        top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+        for k in tl.static_range(K):  # the largest logit left; the lowest expert on a tie
+            best = tl.max(logits, 1)
+            idx = tl.min(tl.where(logits == best[:, None], e[None, :], BLOCK_E), 1)
+            top_v = tl.where(kk[None, :] == k, best[:, None], top_v)
+            top_i = tl.where(kk[None, :] == k, idx[:, None], top_i)
+            logits = tl.where(e[None, :] == idx[:, None], float("-inf"), logits)
+        # Softmax of the k logits, in float32, rounded once to the model dtype (torch.softmax).
+        valid = t_mask[:, None] & k_mask[None, :]
+        shifted = tl.where(valid, top_v - tl.max(top_v, 1)[:, None], float("-inf"))
+        p = tl.exp(shifted)
+        p = p / tl.maximum(tl.sum(p, 1), 1e-30)[:, None]
+        pair = t[:, None] * K + kk[None, :]
+        tl.store(weights_ptr + pair, p.to(weights_ptr.dtype.element_ty), mask=valid)
+        # Counting sort of the pairs by expert, stable in (token, slot) order.
+        flat_ids = tl.reshape(top_i, [BLOCK_T * BLOCK_K])
+        flat_pair = tl.reshape(pair, [BLOCK_T * BLOCK_K])
+        flat_valid = tl.reshape(valid, [BLOCK_T * BLOCK_K])
+        one_hot = ((flat_ids[:, None] == e[None, :]) & flat_valid[:, None]).to(tl.int32)
+        counts = tl.sum(one_hot, 0)
+        ends = tl.cumsum(counts, 0)
+        rank = tl.cumsum(one_hot, 0) - 1 + (ends - counts)[None, :]
+        position = tl.sum(tl.where(one_hot != 0, rank, 0), 1)
+        tl.store(order_ptr + position, flat_pair, mask=flat_valid)
+        tl.store(ends_ptr + e, ends, mask=e_mask)
+        # Experts with rows first (in expert order), then the rest as -1: a permutation, so
+        # no two stores meet.
+        has_rows = (counts > 0).to(tl.int32)
+        before = tl.cumsum(has_rows, 0) - has_rows  # experts with rows before e
+        num_active = tl.sum(has_rows, 0)
+        slot = tl.where(has_rows != 0, before, num_active + e - before)
+        tl.store(active_ptr + slot, tl.where(has_rows != 0, e, -1),
+                 mask=e_mask & (slot < num_slots))
+
+    @triton.autotune(configs=[
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for n, k, w, st in ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3),
+                            (128, 128, 4, 3), (32, 256, 4, 4), (128, 64, 8, 4),
+                            (64, 64, 4, 6), (128, 128, 8, 4), (256, 64, 8, 4),
+                            (256, 32, 8, 6))],
+        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP"])
+    @triton.jit
+    def _expert_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr, active_ptr,
+                            route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
+                            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        expert = tl.load(active_ptr + tl.program_id(1))
+        end = tl.load(ends_ptr + expert, mask=expert >= 0, other=0)
+        start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+        dtype = out_ptr.dtype.element_ty
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = cols < n_cols
+        kk = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * k_cols * n_cols
+        for m0 in range(start, end, BLOCK_M):  # no trip for an inactive program (-1)
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_mask = rows < end
+            pair = tl.load(order_ptr + rows, mask=r_mask, other=0)
+            # gate_up reads the token's hidden row; down the activation row, in sorted order.
+            if GATE_UP:
+                src = pair // top_k
+            else:
+                src = rows
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, k_cols, BLOCK_K):
+                k = k0 + kk
+                k_mask = k < k_cols
+                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                            mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                            mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.dot(x, w)
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * n_cols + cols, mask=n_mask,
+                           other=0.0)
+            y = (acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]).to(dtype)
+            y = y.to(tl.float32)
+            if GATE_UP:
+                # Interleaved columns: even ones gate, odd ones up (moe.clamped_swiglu).
+                gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                scaled = (gate * alpha).to(dtype).to(tl.float32)
+                sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+                glu = (gate * sig).to(dtype).to(tl.float32)
+                act = ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+                half = n_cols // 2
+                out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * half + out_cols[None, :], act,
+                         mask=r_mask[:, None] & (out_cols < half)[None, :])
+            else:
+                route_w = tl.load(route_w_ptr + pair, mask=r_mask, other=0.0)
+                y = (y * route_w.to(tl.float32)[:, None]).to(dtype)
+                tl.store(out_ptr + pair.to(tl.int64)[:, None] * n_cols + cols[None, :], y,
+                         mask=r_mask[:, None] & n_mask[None, :])
+
+
+def serves(num_tokens: int, num_experts: int, top_k: int, device: torch.device,
+           dtype: torch.dtype) -> bool:
+    """Whether these kernels take `num_tokens` tokens of this device and dtype through an MoE
+    layer: CUDA, half precision, Triton present, and few enough tokens for the one-program
+    routing kernel."""
+    return (kernels.serves(device, dtype)
+            and route_cells(num_tokens, num_experts, top_k) <= MAX_ROUTE_CELLS)
+
+
+def route_cells(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The routing kernel's (pairs x experts) tile for `num_tokens` tokens."""
+    def pow2(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+    return max(4, pow2(num_tokens)) * pow2(top_k) * pow2(num_experts)
+
+
+def route(logits: torch.Tensor, top_k: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing of router logits [T, E] (the model dtype): (weights [T * K] in logits'
+    dtype, (token, slot) order; order [T * K] int32, the pairs t * K + k grouped by expert;
+    ends [E] int32, where each expert's group ends in `order`; active [min(E, T * K)] int32,
+    the experts with rows, then -1)."""
+    num_tokens, num_experts = logits.shape
+    pairs = num_tokens * top_k
+    device = logits.device
+    weights = torch.empty(pairs, dtype=logits.dtype, device=device)
+    order = torch.empty(pairs, dtype=torch.int32, device=device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    active = torch.empty(min(num_experts, pairs), dtype=torch.int32, device=device)
+    block_t = max(4, triton.next_power_of_2(num_tokens))
+    _route_kernel[(1,)](logits, weights, order, ends, active, num_tokens, active.numel(),
+                        E=num_experts, K=top_k, BLOCK_T=block_t,
+                        BLOCK_E=triton.next_power_of_2(num_experts),
+                        BLOCK_K=triton.next_power_of_2(top_k), num_warps=8)
+    return weights, order, ends, active
+
+
+def experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
+            gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor,
+            top_k: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's routed experts for tokens x [T, H], router logits [T, E]: [T, K, H], each
+    slot's down(clamped_swiglu(gate_up(x))) with biases, times its routing weight (sum over K
+    for the layer's output). Weights in moe.BiasedExperts' layout: gate_up [E, H, 2I] with
+    interleaved gate/up columns, down [E, I, H]."""
+    num_tokens, hidden = x.shape
+    x = x.contiguous()
+    weights, order, ends, active = route(logits.contiguous(), top_k)
+    pairs = num_tokens * top_k
+    width = gate_up.shape[2]
+    # Rows per program: the average expert gets one tile of rows.
+    block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // gate_up.shape[0]))))
+    act = torch.empty(pairs, width // 2, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
+    for source, weight, bias, dest, n_cols, k_cols, is_gate_up in (
+            (x, gate_up, gate_up_bias, act, width, hidden, True),
+            (act, down, down_bias, out, hidden, width // 2, False)):
+        _expert_gemm_kernel[lambda meta, n=n_cols: (triton.cdiv(n, meta["BLOCK_N"]),
+                                                     active.numel())](
+            source, weight, bias, dest, order, ends, active, weights, n_cols, k_cols, top_k,
+            alpha, limit, GATE_UP=is_gate_up, BLOCK_M=block_m)
+    return out

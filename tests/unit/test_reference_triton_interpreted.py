@@ -1,0 +1,117 @@
+"""The reference engine's Triton kernels for gpt-oss, run by Triton's interpreter on the CPU
+(TRITON_INTERPRET=1, in a subprocess: the variable is read when the kernels are defined), so that
+a machine without a GPU checks their logic: paged decode attention with sinks and windows (and
+its independence from the table's padding), MoE routing and sorting, both grouped expert GEMMs,
+RMSNorm summing an MoE layer's slots, GEMV and skinny GEMM with biases. float32 (the interpreter
+computes bfloat16 wrongly); autotuned kernels run their first tile. test_reference_kernels.py
+checks the same kernels compiled, in bfloat16, on a GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r'''
+import torch
+from tandem.engines.reference import kernels, moe_kernels
+from tandem.engines.reference.attention import decode_attention
+from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.moe import GptOssMoeBlock
+
+
+class FirstTile:
+    """An autotuned kernel launched with its first tile (autotuning needs a GPU)."""
+
+    def __init__(self, tuner):
+        self.tuner, self.config = tuner, tuner.configs[0]
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = self.config.kwargs
+            return self.tuner.fn[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
+        return launch
+
+
+kernels._gemv_tuned = FirstTile(kernels._gemv_tuned)
+kernels._skinny_gemm_kernel = FirstTile(kernels._skinny_gemm_kernel)
+moe_kernels._expert_gemm_kernel = FirstTile(moe_kernels._expert_gemm_kernel)
+torch.manual_seed(0)
+
+
+def rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+heads, kv_heads, block, head = 8, 2, 16, 32
+for lens, window in (([5, 40, 100], None), ([5, 40, 100], 24), ([300], None),
+                     ([1] * 9 + [200], None), ([100, 33], 40)):
+    width = max(-(-n // block) for n in lens) + 5
+    blocks = len(lens) * width + 2
+    cache = torch.randn(2, blocks, block, kv_heads, head)
+    tables = torch.randperm(blocks)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head)
+    context = torch.tensor(lens)
+    sinks = 2 * torch.randn(heads)
+    meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long),
+                             list(range(len(lens) + 1)), lens, context, tables, block, True)
+    ref = decode_attention(q.double(), cache.double(), meta, window, sinks.double())
+    for split in (32, 512):
+        out = kernels.paged_decode_attention(q, cache, tables, context, block, window, split,
+                                             sinks=sinks)
+        assert rel(out, ref) < 1e-5, (lens, window, split, rel(out, ref))
+        narrow = kernels.paged_decode_attention(q, cache, tables[:, :width - 5], context, block,
+                                                window, split, sinks=sinks)
+        assert torch.equal(out, narrow), (lens, window, split)
+
+experts, top_k = 8, 2
+block_moe = GptOssMoeBlock(64, 48, experts, top_k, 1.702, 2.0)
+with torch.no_grad():
+    for param in block_moe.parameters():
+        param.copy_(0.3 * torch.randn(param.shape))
+e = block_moe.experts
+for tokens in (1, 3, 37):
+    logits = (torch.stack([torch.randperm(experts) for _ in range(tokens)]).float() - 3) / 4
+    weights, order, ends, active = moe_kernels.route(logits, top_k)
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=experts)
+    assert torch.equal(ends.long(), counts.cumsum(0))
+    assert torch.equal(order.long().sort().values, torch.arange(tokens * top_k))
+    grouped = flat[order.long()]
+    assert torch.equal(grouped, grouped.sort().values)
+    for start, end in zip([0, *ends[:-1].tolist()], ends.tolist()):
+        assert (order[start:end].diff() > 0).all()
+    used = counts.nonzero().flatten()
+    assert torch.equal(active[:used.numel()].long(), used)
+    assert (active[used.numel():] == -1).all()
+    assert rel(weights.view(tokens, top_k), torch.softmax(top, -1)) < 1e-6
+    x = torch.randn(tokens, 64)
+    with torch.no_grad():
+        slots = moe_kernels.experts(x, block_moe.router(x), e.gate_up_proj, e.gate_up_proj_bias,
+                                    e.down_proj, e.down_proj_bias, top_k, block_moe.alpha,
+                                    block_moe.limit)
+        assert rel(slots.sum(1), block_moe.forward_grouped(x)) < 1e-5, tokens
+        residual, norm = torch.randn(tokens, 64), torch.randn(64)
+        normed, summed = kernels.add_rms_norm(slots, norm, 1e-5, residual)
+        assert torch.equal(summed, slots.sum(1) + residual)
+        expected = norm * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert rel(normed, expected) < 1e-5
+
+layer = torch.nn.Linear(300, 100)
+with torch.no_grad():
+    for rows in (1, 5):
+        x = torch.randn(rows, 300)
+        assert rel(kernels.linear(x, layer), layer(x)) < 1e-5, rows
+print("ok")
+'''
+
+
+def test_gpt_oss_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
