@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -14,6 +16,7 @@ from tandem.routing.workers import WorkerRef, WorkerState
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc
 from tests.e2e.topology import start_worker
 
+T = TypeVar("T")
 WORKER_FLAGS = ("--speedup-ratio", "0", "--kv-block-size", "32", "--num-gpu-blocks-override",
                 "24")
 
@@ -49,9 +52,20 @@ async def caught_up(watcher: WorkerWatcher, sequence: int) -> None:
         await asyncio.wait_for(watcher.changed.wait(), 10)
 
 
+async def settled(watcher: WorkerWatcher, fetch: Callable[[], Awaitable[tuple[int, T]]]) -> T:
+    """The worker's own view (`fetch`: its snapshot and the sequence it reflects) once the
+    watcher has exactly that sequence: a worker sends several steps' events in one message, so
+    the watcher can pass a snapshot taken while the worker still wrote events; then take a
+    newer one."""
+    while True:
+        sequence, view = await fetch()
+        await caught_up(watcher, sequence)
+        if watcher.last_sequence == sequence:
+            return view
+
+
 async def assert_index_matches(watcher: WorkerWatcher, index: PrefixIndex, address: str) -> None:
-    sequence, blocks = await truth(address)
-    await caught_up(watcher, sequence)
+    blocks = await settled(watcher, lambda: truth(address))
     assert index.blocks_of(address) == blocks
 
 
