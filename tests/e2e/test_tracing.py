@@ -80,7 +80,9 @@ def traced() -> Iterator[tuple[Topology, Receiver]]:
     (port,) = free_ports(1)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", num_prefill=1, env={
+    # The router service decides (no local routing), so its Route span joins the trace.
+    topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--no-local-routing",
+                          num_prefill=1, env={
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_BSP_SCHEDULE_DELAY": "50"})
     yield topo, receiver
