@@ -136,7 +136,8 @@ class SteadyLoad:
 
 def test_with_local_routing_a_dead_router_fails_nothing_and_kv_routing_holds() -> None:
     topo = start_topology("--engine", "mock", "--speedup-ratio", "1", "--router-policy", "kv",
-                          num_decode=2)  # restart policy: no (the router stays dead)
+                          "--local-routing", num_decode=2)  # restart policy: no (the router
+    # stays dead)
     try:
         client = api(topo)
         holder = served_by(client, topo.model, PREFIX + [1])
