@@ -139,15 +139,6 @@ def test_scaled_decode_is_found_and_a_killed_one_loses_no_stream(stack: None) ->
 
     api = client()
     model = api.models.list().data[0].id
-
-    def routed_to_added() -> bool:
-        # The frontend routes in process: it takes the new member from the router's list
-        # (refreshed every 2 s while requests flow) and follows it once its streams are up.
-        raw = api.completions.with_raw_response.create(model=model, prompt="probe",
-                                                       max_tokens=1)
-        return raw.headers["x-tandem-decode-worker"] == added
-
-    wait_until(routed_to_added, "the frontend never routed to the second decode worker")
     results: list[tuple[int, str | None]] = []
     served_by: list[str] = []
     errors: list[BaseException] = []
