@@ -155,9 +155,8 @@ class FrontendConfig:
     #: Route requests in this process (no Route round trip): a local router built from the
     #: router replicas' worker list and settings, fed by the workers' own health and KV event
     #: streams, deciding as a router replica does, the kv index included, and going on while
-    #: every router replica is down. Off (the default for now): every request asks a replica
-    #: (a worker added to a DNS pool was not picked up by the local router in the compose test).
-    local_routing: bool = False
+    #: every router replica is down. Off (--no-local-routing): every request asks a replica.
+    local_routing: bool = True
     #: Tokens per KV block: the workers' --kv-block-size. The frontend hashes the blocks of
     #: prompts with images for the router, which must match the workers' hashes.
     kv_block_size: int = 32
@@ -322,7 +321,8 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
                      on_fallback=metrics.set_router_fallback,
                      on_fallback_route=metrics.count_fallback_route,
                      local_routing=config.local_routing,
-                     on_local_route=metrics.count_local_route),
+                     on_local_route=metrics.count_local_route,
+                     on_local_candidates=metrics.set_local_candidates),
         DecodeClients(config.tls, config.decode_sessions, metrics.observe_batch_hops),
         PrefillClients(config.tls),
         EncodeClients(model.name, config.tls), media,

@@ -71,6 +71,10 @@ class FrontendMetrics:
         self.local_routes = Counter(
             "tandem_frontend_local_routes", "Requests this frontend's local router routed (no "
             "Route call to a router replica)", labels, registry=r)
+        self.local_candidates = Gauge(
+            "tandem_frontend_local_candidates", "Workers this frontend's local router routes "
+            "to (health SERVING, event stream up), by pool kind, as of its last look at the "
+            "router's worker list (every few seconds)", [*labels, "kind"], registry=r)
         self._bind(model)
 
     def _bind(self, model: str) -> None:
@@ -99,6 +103,10 @@ class FrontendMetrics:
 
     def count_local_route(self) -> None:
         self._local_routes.inc()
+
+    def set_local_candidates(self, counts: dict[str, int]) -> None:
+        for kind, count in counts.items():
+            self.local_candidates.labels(self.model, kind).set(count)
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
         self._streamed.inc(num_tokens)

@@ -67,9 +67,8 @@ class Deployment:
     #: power_of_two or kv.
     router_policy: str = "round_robin"
     #: Frontend: route requests in its own process (a local router fed by the workers' streams,
-    #: built from the router's list); off (the default for now): every request asks a router
-    #: replica.
-    local_routing: bool = False
+    #: built from the router's list); off: every request asks a router replica.
+    local_routing: bool = True
     #: Several pools (YAML only); replaces decode_ports / router_policy.
     pools: list[DeploymentPool] = field(default_factory=list)
     #: Several models behind one frontend (YAML only), each with its pools and its router
@@ -286,8 +285,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
         frontend_flags += ["--video-model", video_model_name(d)]
     if d.json_whitespace:
         frontend_flags += ["--json-whitespace", str(d.json_whitespace)]
-    if d.local_routing:
-        frontend_flags.append("--local-routing")
+    if not d.local_routing:
+        frontend_flags.append("--no-local-routing")
     if d.api_keys:
         frontend_flags += ["--api-keys", *d.api_keys]
     if d.api_keys_file:

@@ -3,7 +3,7 @@
 Every request used to pay a Route round trip to a router process (about 1 ms of CPU on each
 side, and a hop before the first token). The router service stays the one source of truth for
 what is configured: the pools, their members and policies and the SLA grid reach the frontend in
-its ListWorkers answer (pools plus RoutingSettings), refreshed while requests flow. What a
+its ListWorkers answer (pools plus RoutingSettings), taken every few seconds. What a
 decision needs live (each worker's health, its load reports and the prefixes it caches) the
 local router takes from the workers themselves, over the same streams the router service follows
 (tandem.routing.membership: one WorkerWatcher per worker). So it decides as a router replica
@@ -86,6 +86,15 @@ class LocalRouter:
         self._membership.start(())
         self._ready = Readiness(self._membership, self.sync_timeout_s, "the frontend's local router")
         self._router, self._layout = router, layout
+
+    def candidate_counts(self) -> dict[str, int]:
+        """Workers this process would route to now (health SERVING, event stream up), by pool
+        kind; empty before the first list."""
+        counts: dict[str, int] = {}
+        for pool in self._router.pools if self._router is not None else ():
+            healthy = sum(w.healthy for w in list(pool.workers.values()))
+            counts[pool.config.kind] = counts.get(pool.config.kind, 0) + healthy
+        return counts
 
     def route(self, info: RouteRequestInfo) -> RouteDecision:
         """As the router service's Route (call only when `is_ready`).

@@ -10,7 +10,9 @@ none comes within `flush_ms`, in one Complete call.
 With `local_routing` the client decides itself, in process (tandem.routing.local), once it has
 the routers' worker list and has rebuilt the prefix index from the workers' event streams; a
 replica is asked only before that, or when the local router finds no candidate (a router may
-reach a worker this process cannot).
+reach a worker this process cannot). It then takes the routers' list every `snapshot_interval_s`
+whether or not requests flow, so that a worker the routers take on (a DNS pool grown) is routed
+to from this process within that time plus its streams' start.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ class RouterClient:
         on_fallback_route: told of each request routed without a router (metrics).
         local_routing: decide in this process once ready (module docstring).
         on_local_route: told of each request routed in this process (metrics).
+        on_local_candidates: told, at each list taken, of the local router's candidates by
+            pool kind (metrics).
     """
 
     def __init__(self, addresses: str | Sequence[str], flush_ms: float = 20.0,
@@ -83,7 +87,9 @@ class RouterClient:
                  on_fallback: Callable[[bool], None] = lambda active: None,
                  on_fallback_route: Callable[[], None] = lambda: None,
                  local_routing: bool = False,
-                 on_local_route: Callable[[], None] = lambda: None) -> None:
+                 on_local_route: Callable[[], None] = lambda: None,
+                 on_local_candidates: Callable[[dict[str, int]], None] = lambda _: None
+                 ) -> None:
         self.addresses = split_addresses(addresses)
         if not self.addresses:
             raise ValueError("RouterClient needs at least one router address")
@@ -102,6 +108,7 @@ class RouterClient:
         #: Requests routed by `local` and not completed yet.
         self._routed_locally: set[str] = set()
         self._on_local_route = on_local_route
+        self._on_local_candidates = on_local_candidates
         self._on_fallback = on_fallback
         self._on_fallback_route = on_fallback_route
         self.is_fallback_active = False
@@ -117,6 +124,8 @@ class RouterClient:
         self.replicas.start()
         self._snapshot_task = spawn(self._first_snapshot(), self._background)
         self._snapshot_task.add_done_callback(self._snapshot_done)
+        if self.local is not None:
+            spawn(self._follow_list(), self._background)
 
     def replica_states(self) -> list[str]:
         """Each replica's state ("up" or "down")."""
@@ -137,6 +146,15 @@ class RouterClient:
                     return
             await asyncio.sleep(FIRST_LIST_S[min(attempt, len(FIRST_LIST_S) - 1)])
             attempt += 1
+
+    async def _follow_list(self) -> None:
+        """With local routing: the list from an up replica every `snapshot_interval_s`, idle
+        or not (the local router's members follow it; module docstring)."""
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            replica = next(iter(self.replicas.up_order()), None)
+            if replica is not None and self._snapshot_task is None:
+                await asyncio.wait([self._start_refresh(replica)])
 
     # ---- routing ----------------------------------------------------------------------------
 
@@ -293,12 +311,15 @@ class RouterClient:
     def _maybe_refresh_snapshot(self, replica: Replica) -> None:
         """Keeps the fallback's worker list at most `snapshot_interval_s` old while requests
         flow (nothing is asked while idle)."""
-        now = time.monotonic()
-        if now < self._snapshot_due or self._snapshot_task is not None:
+        if time.monotonic() < self._snapshot_due or self._snapshot_task is not None:
             return
-        self._snapshot_due = now + self.snapshot_interval_s
-        self._snapshot_task = spawn(self._refresh_snapshot(replica), self._background)
-        self._snapshot_task.add_done_callback(self._snapshot_done)
+        self._start_refresh(replica)
+
+    def _start_refresh(self, replica: Replica) -> asyncio.Task[None]:
+        self._snapshot_due = time.monotonic() + self.snapshot_interval_s
+        task = self._snapshot_task = spawn(self._refresh_snapshot(replica), self._background)
+        task.add_done_callback(self._snapshot_done)
+        return task
 
     def _snapshot_done(self, task: asyncio.Task[None]) -> None:
         if self._snapshot_task is task:
@@ -320,6 +341,7 @@ class RouterClient:
         settings = settings_from_pb(reply)
         if self.local is not None and settings is not None:
             self.local.update(pools, settings)
+            self._on_local_candidates(self.local.candidate_counts())
         return pools
 
     async def list_workers(self, timeout_s: float = 5.0) -> list[PoolSnapshot]:

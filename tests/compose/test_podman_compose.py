@@ -4,7 +4,7 @@ containerised frontend answers a streamed chat request (official `openai` client
 to 2 and the router finds the new worker, a decode container killed under load loses no stream
 (the frontend migrates them), and `down` stops everything within the grace period.
 
-`make compose-test` builds the image and runs this (TANDEM_COMPOSE_TEST=1); `make test` skips it.
+`make compose-test` builds the image and runs this (TANDEM_COMPOSE_TEST=1); `make test` skips it. The frontend routes in its own process (local routing, the default).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import openai
@@ -86,6 +87,15 @@ def router_status() -> dict[str, object]:
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
+def frontend_decode_candidates() -> float:
+    """Decode workers the frontend's local router routes to (its metrics)."""
+    with urllib.request.urlopen("http://127.0.0.1:8000/metrics", timeout=10) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith("tandem_frontend_local_candidates{") and 'kind="decode"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def decode_workers() -> list[tuple[str, bool]]:
     pools = router_status()["pools"]
     return [(w["worker_id"], w["candidate"]) for p in pools if p["kind"] == "decode"  # type: ignore
@@ -136,6 +146,10 @@ def test_scaled_decode_is_found_and_a_killed_one_loses_no_stream(stack: None) ->
     wait_until(lambda: [c for _, c in decode_workers()] == [True, True],
                "the router never took the second decode worker")
     (added,) = [w for w, _ in decode_workers() if w != original]
+    # The frontend routes in its own process: it takes the router's list every few seconds and
+    # then follows the new worker's health and event streams.
+    wait_until(lambda: frontend_decode_candidates() == 2,
+               "the frontend's local router never took the second decode worker", 60)
 
     api = client()
     model = api.models.list().data[0].id
