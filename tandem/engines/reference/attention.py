@@ -2,7 +2,10 @@
 
 Two paths, both on torch's scaled_dot_product_attention:
   * `prefill_attention`: any mix of chunks; one SDPA per sequence (a Python loop over S, with no
-    host syncs: every length it needs is already a Python int in AttentionMetadata).
+    host syncs: every length it needs is already a Python int in AttentionMetadata). In a step
+    that mixes prompt chunks with decodes, the one-token sequences (`meta.decode_part`) skip the
+    loop and take the decode path together (`mixed_attention`): a loop over 64 decodes beside
+    one prompt chunk cost the 8B shape on an H100 most of its mixed-step time.
   * `decode_attention`: every sequence has one new token; all sequences in ONE SDPA over a padded
     gather of their blocks, masked by `context_lens_t`. No loop, no host sync: the GPU decode path.
 With attention sinks (gpt-oss) both paths compute the same attention in plain matmuls instead
@@ -12,9 +15,12 @@ decode the Triton kernel (kernels.paged_decode_attention).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from tandem.engines.reference import kernels
 from tandem.engines.reference.batch import AttentionMetadata
@@ -65,11 +71,15 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
     """Attention of q [T, heads, head_size] (new tokens, grouped by sequence as in
     `meta.query_start_loc`) over each sequence's cached context. The new tokens of a sequence are
     the LAST positions of its context. `sinks` [heads]: attention sinks (`sink_attention`), or
-    None. Returns [T, heads, head_size] in q's dtype."""
+    None. Returns [T, heads, head_size] in q's dtype; the rows of `meta.decode_part`'s
+    sequences are left unwritten (`mixed_attention` fills them)."""
     out = torch.empty_like(q)
     block_size = meta.block_size
     k_blocks, v_blocks = kv_layer[0], kv_layer[1]
+    skip = meta.decode_part.seqs if meta.decode_part is not None else frozenset()
     for s, context_len in enumerate(meta.context_lens):
+        if s in skip:
+            continue
         start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
         num_new = end - start
         num_blocks = -(-context_len // block_size)
@@ -86,12 +96,29 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
                                                       q.device), sinks)
             out[start:end] = o.squeeze(0).transpose(0, 1)
             continue
+        if q.is_cuda and not _window_matters(context_len, sliding_window):
+            o = _causal_on_cuda(qs, k.to(q.dtype), v.to(q.dtype))
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+            continue
         mask = _prefill_mask(num_new, context_len, sliding_window, q.device)
         # is_causal aligns the diagonal top-left, which is right only when nothing was cached.
         causal = mask is None and num_new == context_len and num_new > 1
         o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            is_causal=causal, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def mixed_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                    sliding_window: int | None, sinks: torch.Tensor | None,
+                    decode: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+                    ) -> torch.Tensor:
+    """`prefill_attention` of a step that is not decode-only, its one-token sequences
+    (`meta.decode_part`) attended together by `decode(q rows, their metadata)`."""
+    out = prefill_attention(q, kv_layer, meta, sliding_window, sinks)
+    part = meta.decode_part
+    if part is not None:
+        out.index_copy_(0, part.rows, decode(q.index_select(0, part.rows), part.meta))
     return out
 
 
@@ -154,10 +181,39 @@ def _flash_with_lse(q: torch.Tensor, k: torch.Tensor,
     return out, lse
 
 
+def _causal_on_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [1, heads, new, D] over k, v [1, kv_heads, context, D] whose last
+    `new` positions are q's, through a fused kernel, K/V repeated to every query head (the
+    fused kernels take no GQA).
+
+    In half precision, torch's flash attention called directly: its causal mask is aligned
+    lower right, which is what a chunk after a cached prefix needs, and the call skips SDPA's
+    backend choice, which on an H100 (torch 2.11) picked cuDNN for whole prompts and built a
+    cuDNN graph for every new prompt length: ~0.5 ms of host time per call, most of a mixed
+    step's time at 512 tokens. Otherwise SDPA, with a lower-right causal bias for a chunk
+    after a cached prefix rather than a [new, context] mask (which would leave only its
+    unfused path)."""
+    num_new, context_len = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    head_size = q.shape[-1]
+    if q.dtype in (torch.bfloat16, torch.float16) and head_size % 8 == 0 and head_size <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    if num_new == context_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=num_new > 1)
+    return F.scaled_dot_product_attention(q, k, v,
+                                          attn_mask=causal_lower_right(num_new, context_len))
+
+
+def _window_matters(context_len: int, sliding_window: int | None) -> bool:
+    return sliding_window is not None and context_len > sliding_window
+
+
 def _prefill_mask(num_new: int, context_len: int, sliding_window: int | None,
                   device: torch.device) -> torch.Tensor | None:
     """[num_new, context_len] bool (True = attend), or None where plain causal/full will do."""
-    window_matters = sliding_window is not None and context_len > sliding_window
+    window_matters = _window_matters(context_len, sliding_window)
     if not window_matters and (num_new == context_len or num_new == 1):
         return None
     return _visible(num_new, context_len, sliding_window, device)
@@ -241,10 +297,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         if meta.is_decode_only:
-            o = decode_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
+            o = self._decode(q, kv_layer, meta)
         else:
-            o = prefill_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
+            o = mixed_attention(q, kv_layer, meta, self.sliding_window, self.sinks,
+                                lambda rows, part: self._decode(rows, kv_layer, part))
         return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return decode_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
 
     def forward_fused(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -256,9 +317,14 @@ class Attention(nn.Module):
                                    kv_layer, meta.slot_mapping, self.num_heads,
                                    self.num_kv_heads, self.head_size)
         if meta.is_decode_only:
-            o = kernels.paged_decode_attention(q, kv_layer, meta.block_tables,
-                                               meta.context_lens_t, meta.block_size,
-                                               self.sliding_window, sinks=self.sinks)
+            o = self._decode_fused(q, kv_layer, meta)
         else:
-            o = prefill_attention(q, kv_layer, meta, self.sliding_window, self.sinks)
+            o = mixed_attention(q, kv_layer, meta, self.sliding_window, self.sinks,
+                                lambda rows, part: self._decode_fused(rows, kv_layer, part))
         return kernels.linear(o.reshape(num_tokens, self.q_size), self.o_proj)
+
+    def _decode_fused(self, q: torch.Tensor, kv_layer: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        return kernels.paged_decode_attention(q, kv_layer, meta.block_tables,
+                                              meta.context_lens_t, meta.block_size,
+                                              self.sliding_window, sinks=self.sinks)

@@ -8,7 +8,7 @@ A token at position p of a sequence lives in block `block_table[p // block_size]
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +45,24 @@ class AttentionMetadata:
     block_size: int
     #: Every sequence has exactly one new token (a pure decode step): enables batched attention.
     is_decode_only: bool
+    #: In a step that mixes prompt chunks with one-token sequences (decodes), those sequences,
+    #: attended in one batch as in a decode step; None otherwise.
+    decode_part: DecodePart | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+
+@dataclass
+class DecodePart:
+    """The one-token sequences of a mixed step (chunked prefill beside decodes): their rows of
+    the step's tokens and their own metadata (`is_decode_only`), so that they take the batched
+    decode attention instead of one attention call each."""
+
+    #: [D] int64, device: the row of each such sequence's new token among the step's T tokens.
+    rows: torch.Tensor
+    #: Their tables and lengths (slot_mapping and query_start_loc unused).
+    meta: AttentionMetadata
+    #: Their indices among the step's sequences (Python ints): the per-sequence loop skips them.
+    seqs: frozenset[int] = field(default_factory=frozenset)

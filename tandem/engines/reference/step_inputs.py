@@ -12,7 +12,7 @@ import torch
 
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
-from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.batch import AttentionMetadata, DecodePart
 from tandem.engines.reference.encoder import MultimodalSpan
 
 
@@ -101,6 +101,11 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         last_row[id(req)] = len(token_ids) - 1
     width = max((len(t) for t in tables), default=1)
     rows = [last_row[id(req)] for req in plan.ready]
+    is_decode_only = all(n == 1 for _, n in plan.scheduled)
+    # A mixed step's one-token sequences (decodes beside prompt chunks): attended in one batch.
+    singles = [] if is_decode_only else [s for s, (_, n) in enumerate(plan.scheduled) if n == 1]
+    if len(singles) < 2:
+        singles = []
     # One host-to-device copy for every index tensor of the step (each copy costs the host
     # ~10 us, which a batch-1 decode step on a GPU pays in full); the tensors are views of it.
     # Gathered in an int64 array: torch.tensor of a list costs ~0.1 us per element (0.25 ms
@@ -108,22 +113,32 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
     # development VM). Not pinned: pinning these few hundred bytes each step
     # bought nothing measurable on the H100 machines (0.23 ms to build a batch-1 step's inputs
     # pinned, 0.25 ms pageable, two machines).
-    parts = (token_ids, positions, slots, context_lens, rows)
+    parts = (token_ids, positions, slots, context_lens, rows, singles,
+             [query_start[s] for s in singles])
     values = array.array("q", itertools.chain(*parts, *(t + [0] * (width - len(t))
                                                         for t in tables)))
     flat = torch.frombuffer(values, dtype=torch.long).to(device, non_blocking=True)
-    ids_t, positions_t, slots_t, context_t, rows_t, tables_t = flat.split(
-        [*(len(part) for part in parts), len(tables) * width])
-    is_decode_only = all(n == 1 for _, n in plan.scheduled)
+    ids_t, positions_t, slots_t, context_t, rows_t, singles_t, single_rows_t, tables_t = \
+        flat.split([*(len(part) for part in parts), len(tables) * width])
     num_seqs = len(context_lens)
     decode_rows = flat[:4 * num_seqs].view(4, num_seqs) if is_decode_only else None
+    block_tables = tables_t.view(len(tables), width)
+    decode_part = None
+    if singles:
+        decode_part = DecodePart(single_rows_t, AttentionMetadata(
+            slot_mapping=slots_t.index_select(0, single_rows_t), query_start_loc=[],
+            context_lens=[context_lens[s] for s in singles],
+            context_lens_t=context_t.index_select(0, singles_t),
+            block_tables=block_tables.index_select(0, singles_t), block_size=block_size,
+            is_decode_only=True), frozenset(singles))
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         query_start_loc=query_start,
         context_lens=context_lens,
         context_lens_t=context_t,
-        block_tables=tables_t.view(len(tables), width),
+        block_tables=block_tables,
         block_size=block_size,
         is_decode_only=is_decode_only,
+        decode_part=decode_part,
     )
     return StepInputs(ids_t, positions_t, meta, rows_t, prompt_spans, mm_spans, decode_rows)
