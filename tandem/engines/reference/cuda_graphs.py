@@ -1,7 +1,9 @@
 """CUDA graphs of pure decode steps, which on a GPU are bound by kernel launches, not math.
 
-One graph per (batch bucket, block-table width bucket), captured on first use and replayed from
-static input buffers. Batches are padded up to their bucket with rows that write their K/V into
+One graph per (batch bucket, block-table width bucket), all captured when the engine starts
+(`capture_all`, before the worker reports SERVING: a capture, and the kernel compiles and tunes
+of its first run, take seconds that no request should wait for), replayed from static input
+buffers. Batches are padded up to their bucket with rows that write their K/V into
 a scratch block outside the pool (the KV tensor's last block) and attend only to it, so padding
 never touches a real block. Widths are bucketed too because decode attention gathers the whole
 table width: a graph for the model's maximum width would read far more than the batch needs.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engines.reference import kernels
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.model import DecoderModel
 
@@ -81,6 +84,22 @@ class DecodeGraphs:
         graph, logits = entry
         graph.replay()
         return logits[:n]
+
+    def capture_all(self) -> int:
+        """Captures every bucket's graph now, then runs decode eagerly at each split count
+        that an eager step (the decodes of a mixed step, over any table width) may give the
+        decode attention kernel, whose split count is a compile-time constant: so that no
+        kernel compiles, tunes or is captured on a request's step. Returns the graph count."""
+        for b in self.batch_buckets:
+            for w in self.width_buckets:
+                if (b, w) not in self.graphs:
+                    self.graphs[(b, w)] = self._capture(b, w)
+        per_split = max(kernels.SPLIT_TOKENS // self.block_size, 1)
+        batch = min(self.batch_buckets[-1], 2 * kernels.SMALL_BATCH)
+        for width in range(per_split, self.width_buckets[-1] + 1, per_split):
+            self._forward(batch, width)
+        torch.cuda.synchronize()
+        return len(self.graphs)
 
     def _forward(self, b: int, w: int) -> torch.Tensor:
         meta = AttentionMetadata(

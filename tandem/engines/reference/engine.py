@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import time
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,19 @@ class ReferenceEngine(BatchingEngine):
             log.info("host KV tier ready", extra={"kv_host_blocks": host.total,
                                                   "kv_host_bytes": self.host_kv.nbytes,
                                                   "pinned": self.host_kv.is_cuda})
+
+    async def start(self) -> None:
+        if self.graphs is not None and self._task is None:
+            started = time.perf_counter()
+            count = await asyncio.to_thread(self._capture_graphs)
+            log.info("CUDA graphs captured", extra={
+                "graphs": count, "seconds": round(time.perf_counter() - started, 1)})
+        await super().start()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> int:
+        assert self.graphs is not None
+        return self.graphs.capture_all()
 
     async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
         assert self.host_kv is not None
