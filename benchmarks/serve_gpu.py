@@ -41,6 +41,7 @@ from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # n
 
 #: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (3 and 4 at one stream).
 GRID = {(200, 200): [(1, 4), (16, 32), (64, 128), (128, 256)],
+        (1000, 200): [(64, 128)],
         (1000, 1000): [(1, 3), (16, 32), (64, 128), (128, 256)]}
 SMOKE_GRID = {(24, 12): [(2, 4)]}
 DEMO_VOCAB = 4096
@@ -83,7 +84,8 @@ def kv_blocks(grid: dict) -> int:
 
 # ---------------------------------------------------------------- the engine alone (offline)
 
-async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict) -> dict:
+async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
+                  warmup: bool = True) -> dict:
     """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
     from tandem.engines.args import EngineArgs
     from tandem.engines.reference.engine import create_reference_engine
@@ -103,7 +105,8 @@ async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict) -> d
     out = {}
     for (isl, osl), points in grid.items():
         for batch in sorted({c for c, _ in points}):
-            await generate(engine, prompts(batch, isl), 4)  # this shape's CUDA graphs
+            if warmup:  # this shape's first steps (the graphs are captured at start)
+                await generate(engine, prompts(batch, isl), 4)
             sync()
             start = time.perf_counter()
             results = await generate(engine, prompts(batch, isl), osl)
@@ -129,6 +132,7 @@ def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace) -> dict
         out = pathlib.Path(tmp) / "offline.json"
         argv = [sys.executable, __file__, "--phase-offline", str(out), "--model", str(model)]
         argv += ["--smoke"] if args.smoke else []
+        argv += ["--no-warmup"] if args.no_warmup else []
         argv += ["--only", args.only] if args.only else []
         argv += ["--concurrency", *map(str, args.concurrency)] if args.concurrency else []
         subprocess.run(argv, check=True)
@@ -269,7 +273,7 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
             "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
 
 
-async def served(url: str, grid: dict, deadline: float) -> dict:
+async def served(url: str, grid: dict, deadline: float, warmup: bool = True) -> dict:
     out: dict = {}
     # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
     warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
@@ -282,9 +286,9 @@ async def served(url: str, grid: dict, deadline: float) -> dict:
                 print(f"served {key}: skipped (time budget)", flush=True)
                 out[key] = {"skipped": True}
                 continue
-            # As the engine alone: first `conc` requests of 4 tokens at this shape (the worker
-            # captures its CUDA graphs on first use of a batch size and table width).
-            await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
+            # As the engine alone: first `conc` requests of 4 tokens at this shape.
+            if warmup:
+                await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
             try:  # a stalled stack must not eat the call: the point ends with the budget
                 fig = await asyncio.wait_for(
                     drive(url, isl, osl, conc, n, seed=1000 * k + conc, overhead=overhead),
@@ -335,6 +339,9 @@ def main() -> None:
                         help="only these concurrencies (default: the grid's)")
     parser.add_argument("--budget-s", type=float, default=480,
                         help="skip served points that would start past this many seconds")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="no requests at each point's shape before it (what a worker that "
+                        "captures its CUDA graphs at start must not need)")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -348,7 +355,8 @@ def main() -> None:
     if args.concurrency:
         grid = {k: [p for p in v if p[0] in args.concurrency] for k, v in grid.items()}
     if args.phase_offline:
-        figures = asyncio.run(offline(pathlib.Path(args.model), args.device, args.dtype, grid))
+        figures = asyncio.run(offline(pathlib.Path(args.model), args.device, args.dtype, grid,
+                                      not args.no_warmup))
         pathlib.Path(args.phase_offline).write_text(json.dumps(figures))
         return
     shape = SMALL if args.smoke else LLAMA_8B
@@ -370,7 +378,7 @@ def main() -> None:
     t_ready = time.monotonic() - began
     print(f"READY after {t_ready - t_engine:.1f} s: {url}", flush=True)
     try:
-        stack = asyncio.run(served(url, grid, began + args.budget_s))
+        stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup))
     finally:
         stop_stack(proc)
     result = {"device": device_name, "shape": {**shape, "vocab_size": DEMO_VOCAB},
