@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,6 +16,9 @@ from tandem.runtime.server import Draining
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
 
+#: Converted batches kept for the next subscriber (a few steps' worth).
+_CONVERTED_KEPT = 16
+
 
 class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
     def __init__(self, worker_id: str, engine: Engine, event_log: EventLog,
@@ -25,15 +29,22 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
         self.load_interval_s = load_interval_ms / 1000
         self.batch_s = batch_ms / 1000
         self.draining = draining
+        #: The last batches converted, by (epoch, first sequence, sequence): subscribers woken
+        #: by the same step mostly take the same steps in one message (the router service and
+        #: each frontend's local router follow every worker), so each is converted once.
+        self._converted: OrderedDict[tuple[int, int | None, int], pb.KvEventsMessage] = \
+            OrderedDict()
 
     def _to_pb(self, message: Message) -> pb.KvEventsMessage:
         epoch = self.event_log.epoch
         if isinstance(message, Batch):
-            batch = pb.KvEventBatch(sequence=message.sequence, epoch=epoch,
-                                    events=[convert.kv_event_to_pb(e) for e in message.events])
-            if message.first_sequence is not None:
-                batch.first_sequence = message.first_sequence
-            return pb.KvEventsMessage(batch=batch)
+            key = (epoch, message.first_sequence, message.sequence)
+            converted = self._converted.get(key)
+            if converted is None:
+                converted = self._converted[key] = self._batch_to_pb(message, epoch)
+                if len(self._converted) > _CONVERTED_KEPT:
+                    self._converted.popitem(last=False)
+            return converted
         if isinstance(message, Resync):
             return pb.KvEventsMessage(resync=pb.Resync(
                 sequence=message.sequence, epoch=epoch,
@@ -42,6 +53,14 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
         return pb.KvEventsMessage(load=convert.load_to_pb(self.worker_id, message,
                                                           int(time.time() * 1000)))
 
+    @staticmethod
+    def _batch_to_pb(message: Batch, epoch: int) -> pb.KvEventsMessage:
+        batch = pb.KvEventBatch(sequence=message.sequence, epoch=epoch,
+                                events=[convert.kv_event_to_pb(e) for e in message.events])
+        if message.first_sequence is not None:
+            batch.first_sequence = message.first_sequence
+        return pb.KvEventsMessage(batch=batch)
+
     async def Subscribe(self, request: pb.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventsMessage]:
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -49,5 +68,5 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
         # Subscriptions end when the worker drains, so they never hold its shutdown open.
         async for message in subscribe(self.event_log, self.engine.stats, start, epoch,
                                        self.load_interval_s, lambda: self.draining.active,
-                                       self.batch_s):
+                                       self.batch_s, events=not request.loads_only):
             yield self._to_pb(message)

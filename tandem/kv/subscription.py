@@ -58,21 +58,51 @@ def _catch_up(log: EventLog, start: int) -> tuple[int, list[Message]]:
     return last, [Batch(last, events, batches[0][0])]
 
 
+class _LoadPacer:
+    """When a subscriber's next load report is due: at the start, then on a change at most once
+    per interval, and at least every HEARTBEAT_INTERVALS intervals."""
+
+    def __init__(self, stats: Callable[[], EngineStats], interval_s: float) -> None:
+        self.stats, self.interval_s = stats, interval_s
+        self.sent = stats()
+        self.sent_at = time.monotonic()
+
+    def due(self) -> EngineStats | None:
+        now = time.monotonic()
+        if now - self.sent_at < self.interval_s:
+            return None
+        load = self.stats()
+        if load == self.sent and now - self.sent_at < HEARTBEAT_INTERVALS * self.interval_s:
+            return None
+        self.sent, self.sent_at = load, now
+        return load
+
+
 async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
                     start_sequence: int | None, epoch: int | None, load_interval_s: float,
-                    is_closing: Callable[[], bool], batch_s: float = 0.0
-                    ) -> AsyncIterator[Message]:
+                    is_closing: Callable[[], bool], batch_s: float = 0.0,
+                    events: bool = True) -> AsyncIterator[Message]:
     """Yields the subscriber's messages until `is_closing()` (checked each load interval).
 
     Events go out at most once per `batch_s`: once a step's events arrive, those of the steps
     that follow within `batch_s` join them in one message (every gRPC message costs a wake-up
     of both processes; an engine that steps every millisecond would otherwise send a message
-    per step to every subscriber).
+    per step to every subscriber). Without `events`, only load reports (a subscriber that keeps
+    no prefix index).
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
     `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
     that a subscriber's estimate built between reports never drifts for long.
     """
+    if not events:
+        pacer = _LoadPacer(stats, load_interval_s)
+        yield pacer.sent
+        while not is_closing():
+            await asyncio.sleep(load_interval_s)
+            load = pacer.due()
+            if load is not None:
+                yield load
+        return
     if start_sequence is None or (epoch is not None and epoch != log.epoch):
         last, first = _resync(log)
         pending: list[Message] = [first]
@@ -80,9 +110,8 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         last, pending = _catch_up(log, max(start_sequence, 1))
     for message in pending:
         yield message
-    sent_load = stats()
-    sent_at = time.monotonic()
-    yield sent_load
+    pacer = _LoadPacer(stats, load_interval_s)
+    yield pacer.sent
     while not is_closing():
         try:
             await asyncio.wait_for(log.wait_beyond(last), load_interval_s)
@@ -94,9 +123,6 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         last, pending = _catch_up(log, last + 1)
         for message in pending:
             yield message
-        now = time.monotonic()
-        if now - sent_at >= load_interval_s:
-            load = stats()
-            if load != sent_load or now - sent_at >= HEARTBEAT_INTERVALS * load_interval_s:
-                sent_load, sent_at = load, now
-                yield load
+        load = pacer.due()
+        if load is not None:
+            yield load

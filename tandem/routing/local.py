@@ -81,8 +81,10 @@ class LocalRouter:
             spawn(self._membership.close(), self._background)
             log.info("the router's pools changed: the frontend's local router starts over",
                      extra={"pools": [p.name for p in pools]})
+        # Only kv pools' workers send this process their KV events: it keeps no index for
+        # status, as the router service does.
         self._membership = Membership(router, refresh_s=0.0, on_change=lambda: None,
-                                      tls=self.tls)
+                                      tls=self.tls, index_all=False)
         self._membership.start(())
         self._ready = Readiness(self._membership, self.sync_timeout_s, "the frontend's local router")
         self._router, self._layout = router, layout

@@ -19,19 +19,26 @@ log = logging.getLogger(__name__)
 
 
 class Membership:
-    """One watcher per worker; DNS pools re-resolved every `refresh_s`."""
+    """One watcher per worker; DNS pools re-resolved every `refresh_s`. With `index_all` off,
+    only the workers of pools routed by prefix stream their KV events (the others only their
+    load): for a router that only decides (a frontend's local router), where the router
+    service indexes every worker for its status."""
 
     def __init__(self, router: Router, refresh_s: float,
-                 on_change: Callable[[], None], tls: TlsConfig | None = None) -> None:
+                 on_change: Callable[[], None], tls: TlsConfig | None = None,
+                 index_all: bool = True) -> None:
         self.router = router
         self.tls = tls
+        self.index_all = index_all
         self.refresh_s = refresh_s
         self.on_change = on_change
         self.watchers: dict[str, WorkerWatcher] = {}
 
     def _watch(self, workers: Sequence[WorkerState]) -> None:
         for state in workers:
-            watcher = WorkerWatcher(state, self.router.index, self.on_change, self.tls)
+            loads_only = not (self.index_all or self.router.routes_by_prefix(state.ref.pool))
+            watcher = WorkerWatcher(state, self.router.index, self.on_change, self.tls,
+                                    loads_only)
             self.watchers[state.worker_id] = watcher
             watcher.start()
 

@@ -132,6 +132,10 @@ class Router:
         # list() of dict values is atomic under the GIL: the metrics thread may call this.
         return [w for pool in list(self.pools) for w in list(pool.workers.values())]
 
+    def routes_by_prefix(self, pool_name: str) -> bool:
+        """Whether the pool's policy reads the prefix index (kv)."""
+        return any(p.config.policy == "kv" for p in self.pools if p.name == pool_name)
+
     def pool_members(self, pool_name: str) -> list[str]:
         """The addresses of a pool's workers."""
         return [w.ref.address for p in self.pools if p.name == pool_name

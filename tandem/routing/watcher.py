@@ -42,9 +42,11 @@ class SequenceGap(Exception):
 class WorkerWatcher:
     def __init__(self, state: WorkerState, index: PrefixIndex,
                  on_change: Callable[[], None] = lambda: None,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, loads_only: bool = False) -> None:
         self.state = state
         self.index = index
+        #: Ask the worker for its load reports only (no KV events: nothing goes in the index).
+        self.loads_only = loads_only
         self.on_change = on_change
         # Keepalive pings detect a peer that vanished without closing the connection (a lost
         # node): both streams are otherwise silent while nothing changes.
@@ -76,8 +78,9 @@ class WorkerWatcher:
     @property
     def is_settled(self) -> bool:
         """Whether the router has what it can have of this worker: its event stream delivered
-        (the first message replays the worker's whole cache into the index), or the worker
-        cannot deliver now (unreachable, or not serving: starting or draining)."""
+        (the first message replays the worker's whole cache into the index, or is its first
+        load report when `loads_only`), or the worker cannot deliver now (unreachable, or not
+        serving: starting or draining)."""
         return self._events_seen or self.state.health in (Health.UNREACHABLE,
                                                           Health.NOT_SERVING)
 
@@ -119,7 +122,7 @@ class WorkerWatcher:
             attempt += 1
 
     def _request(self) -> pb.SubscribeRequest:
-        request = pb.SubscribeRequest()
+        request = pb.SubscribeRequest(loads_only=self.loads_only)
         if self.last_sequence is not None:
             request.start_sequence = self.last_sequence + 1
             if self.epoch is not None:

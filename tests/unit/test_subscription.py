@@ -104,3 +104,26 @@ async def test_steps_within_the_batch_time_go_out_in_one_message() -> None:
     log.append([BlockRemoved((7,))])
     await asyncio.wait_for(task, 5)
     assert received == [IDLE, Batch(5, (stored(7), BlockRemoved((7,))), first_sequence=4)]
+
+
+async def test_loads_only_sends_no_event() -> None:
+    # A subscriber that keeps no prefix index (a frontend's local router over round-robin
+    # pools): its worker's steps reach it only as load.
+    log = filled_log()
+    current = [IDLE]
+    received: list = []
+
+    async def consume() -> None:
+        async for message in subscribe(log, lambda: current[0], None, None, 0.01,
+                                       lambda: False, events=False):
+            received.append(message)
+            if message.num_running == 1:
+                break
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.03)
+    log.append([stored(7)])
+    current[0] = replace(IDLE, num_running=1)
+    await asyncio.wait_for(task, 5)
+    assert received[0] == IDLE and received[-1].num_running == 1
+    assert all(isinstance(m, EngineStats) for m in received)
