@@ -151,7 +151,7 @@ async def test_host_hits_with_preemption_and_concurrent_arrivals(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_on_cuda_blocks_come_back_bit_exact_through_pinned_memory(
         model_dirs: dict[str, pathlib.Path]) -> None:
-    # CUDA path: copy stream, staging buffers, pinned host tier; tokens as on CPU, and the
+    # CUDA path: copy stream, copy kernel, pinned host tier; tokens as on CPU, and the
     # onboarded device blocks hold exactly the bytes that were offloaded.
     model_dir = model_dirs["llama"]
     engine = create_reference_engine(EngineArgs(
@@ -183,3 +183,29 @@ async def test_on_cuda_blocks_come_back_bit_exact_through_pinned_memory(
     assert engine.stats().kv_onboard_seconds > 0
     check_all_free(engine)
     await engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_the_store_moves_blocks_bit_exact_both_ways(dtype: torch.dtype) -> None:
+    # The copy kernel alone, on random bytes: rows of 2.5 or 5 KiB (not a whole number of the
+    # kernel's programs), blocks and slots in random order; untouched blocks stay as they were.
+    from tandem.engines.reference.host_kv import HostKvStore
+
+    kv = torch.randn((3, 2, 12, 16, 5, 16), device="cuda").to(dtype)
+    before = kv.clone()
+    store = HostKvStore(kv, 20)
+    blocks, slots = [7, 2, 11, 0, 5], [19, 3, 8, 0, 12]
+    timings = store.copy(list(zip(blocks, slots, strict=True)), [], sync=True)
+    assert [(kind, n) for kind, n, _ in timings] == [("offload", 5)]
+    assert torch.equal(store.host[slots], kv[:, :, blocks].permute(2, 0, 1, 3, 4, 5).cpu())
+    targets = [1, 9, 4, 10, 6]
+    kv[:, :, targets] = 0
+    timings = store.copy([], list(zip(slots, targets, strict=True)), sync=False)
+    torch.cuda.current_stream().synchronize()  # the compute stream waited for the copy
+    assert torch.equal(kv[:, :, targets], before[:, :, blocks])
+    others = [b for b in range(12) if b not in targets]
+    assert torch.equal(kv[:, :, others], before[:, :, others])
+    timings += store.finished()
+    assert [(kind, n) for kind, n, _ in timings] == [("onboard", 5)]
+    assert timings[0][2] > 0
