@@ -38,19 +38,15 @@ from tandem.runtime.router_replicas import (
     RouterReplicas,
     split_addresses,
 )
-from tandem.runtime.router_status import ROUTER_VERDICT_KEY, pools_from_pb, settings_from_pb
+from tandem.runtime.router_status import ROUTER_VERDICT_KEY
 from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig
+from tandem.runtime.worker_lists import OUTAGE_CODES, WorkerLists
 from tandem.v1 import router_pb2
 
 log = logging.getLogger(__name__)
 _OUTCOMES = {"ok": router_pb2.OUTCOME_OK, "error": router_pb2.OUTCOME_ERROR,
              "cancelled": router_pb2.OUTCOME_CANCELLED}
-#: Codes of a call that says nothing about the request: the replica is gone, hung or starting.
-_OUTAGE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                           grpc.StatusCode.CANCELLED})
-#: Between two attempts at the first worker list.
-FIRST_LIST_S = (0.1, 0.2, 0.5, 1.0)
 #: Completions kept for a replica that is down (the oldest go first past it).
 MAX_PENDING = 65_536
 
@@ -99,7 +95,6 @@ class RouterClient:
         #: Longest wait for a Route answer when the request itself has no nearer deadline.
         self.timeout_s = timeout_s
         self.flush_s = flush_ms / 1000
-        self.snapshot_interval_s = snapshot_interval_s
         self.replicas = RouterReplicas(self.addresses, tls, dns_refresh_s, self._on_back)
         #: Request id -> the replica that counted it; None: routed here (fallback).
         self._routed_by: dict[str, Replica | None] = {}
@@ -108,24 +103,22 @@ class RouterClient:
         #: Requests routed by `local` and not completed yet.
         self._routed_locally: set[str] = set()
         self._on_local_route = on_local_route
-        self._on_local_candidates = on_local_candidates
         self._on_fallback = on_fallback
         self._on_fallback_route = on_fallback_route
         self.is_fallback_active = False
-        self._snapshot_task: asyncio.Task[None] | None = None
-        self._snapshot_due = 0.0
         #: List refreshes (cancelled at close), and completion flushes (awaited).
         self._background: set[asyncio.Task[None]] = set()
         self._flushes: set[asyncio.Task[None]] = set()
+        #: The routers' worker list, for `fallback` and `local`.
+        self.lists = WorkerLists(self.address, self.replicas, self.fallback, self.local,
+                                 snapshot_interval_s, timeout_s, on_local_candidates,
+                                 self._background)
 
     def start(self) -> None:
         """Follows the DNS names, and takes the first worker list (the fallback's) from the
         first replica that answers, in the background. Call on the event loop."""
         self.replicas.start()
-        self._snapshot_task = spawn(self._first_snapshot(), self._background)
-        self._snapshot_task.add_done_callback(self._snapshot_done)
-        if self.local is not None:
-            spawn(self._follow_list(), self._background)
+        self.lists.start()
 
     def replica_states(self) -> list[str]:
         """Each replica's state ("up" or "down")."""
@@ -134,27 +127,7 @@ class RouterClient:
     def _on_back(self, replica: Replica) -> None:
         if replica.pending:
             self._start_flush(replica)
-        self._snapshot_due = 0.0
-
-    async def _first_snapshot(self) -> None:
-        await self.replicas.resolved.wait()
-        attempt = 0
-        while self.fallback.updated_at is None:
-            for replica in self.replicas.up_order():
-                await self._refresh_snapshot(replica)
-                if self.fallback.updated_at is not None:
-                    return
-            await asyncio.sleep(FIRST_LIST_S[min(attempt, len(FIRST_LIST_S) - 1)])
-            attempt += 1
-
-    async def _follow_list(self) -> None:
-        """With local routing: the list from an up replica every `snapshot_interval_s`, idle
-        or not (the local router's members follow it; module docstring)."""
-        while True:
-            await asyncio.sleep(self.snapshot_interval_s)
-            replica = next(iter(self.replicas.up_order()), None)
-            if replica is not None and self._snapshot_task is None:
-                await asyncio.wait([self._start_refresh(replica)])
+        self.lists.refresh_soon()
 
     # ---- routing ----------------------------------------------------------------------------
 
@@ -238,7 +211,7 @@ class RouterClient:
             self._routed_by[request_id] = replica
             if self.is_fallback_active:
                 self._set_fallback(False)
-            self._maybe_refresh_snapshot(replica)
+            self.lists.maybe_refresh(replica)
             return reply
         return None
 
@@ -263,7 +236,7 @@ class RouterClient:
                 # The request's own deadline, or the router's verdict on it, is an answer.
                 own_deadline = (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                                 and timeout_s < self.timeout_s)
-                if exc.code() not in _OUTAGE_CODES or own_deadline or _is_verdict(exc):
+                if exc.code() not in OUTAGE_CODES or own_deadline or _is_verdict(exc):
                     raise status.from_rpc_error(exc, f"router {replica.address}") from None
                 self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
                 raise _Outage() from None
@@ -281,7 +254,7 @@ class RouterClient:
         self._on_local_route()
         replica = next(iter(self.replicas.up_order()), None)
         if replica is not None:
-            self._maybe_refresh_snapshot(replica)
+            self.lists.maybe_refresh(replica)
         return decision
 
     def _route_alone(self, info: RouteRequestInfo) -> RouteDecision:
@@ -306,65 +279,9 @@ class RouterClient:
             log.info("a router replica answers again: routing through it",
                      extra={"routers": self.address})
 
-    # ---- the worker list the fallback routes on ---------------------------------------------
-
-    def _maybe_refresh_snapshot(self, replica: Replica) -> None:
-        """Keeps the fallback's worker list at most `snapshot_interval_s` old while requests
-        flow (nothing is asked while idle)."""
-        if time.monotonic() < self._snapshot_due or self._snapshot_task is not None:
-            return
-        self._start_refresh(replica)
-
-    def _start_refresh(self, replica: Replica) -> asyncio.Task[None]:
-        self._snapshot_due = time.monotonic() + self.snapshot_interval_s
-        task = self._snapshot_task = spawn(self._refresh_snapshot(replica), self._background)
-        task.add_done_callback(self._snapshot_done)
-        return task
-
-    def _snapshot_done(self, task: asyncio.Task[None]) -> None:
-        if self._snapshot_task is task:
-            self._snapshot_task = None
-
-    async def _refresh_snapshot(self, replica: Replica) -> None:
-        try:
-            reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
-                                                   timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("ListWorkers failed", extra={"router": replica.address,
-                                                   "error": exc.details()})
-        else:
-            self._take_list(reply)
-
-    def _take_list(self, reply: router_pb2.ListWorkersResponse) -> list[PoolSnapshot]:
-        pools = pools_from_pb(reply)
-        self.fallback.update(pools, time.monotonic())
-        settings = settings_from_pb(reply)
-        if self.local is not None and settings is not None:
-            self.local.update(pools, settings)
-            self._on_local_candidates(self.local.candidate_counts())
-        return pools
-
     async def list_workers(self, timeout_s: float = 5.0) -> list[PoolSnapshot]:
-        """Every pool and worker as a replica sees them (the first that answers); the last
-        list taken when none does.
-
-        Raises:
-            Unavailable: no replica answers and no list was ever taken.
-        """
-        for replica in self.replicas.up_order():
-            try:
-                reply = await replica.stub.ListWorkers(router_pb2.ListWorkersRequest(),
-                                                       timeout=timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in _OUTAGE_CODES:
-                    self.replicas.mark_down(replica, f"{exc.code().name}: {exc.details()}")
-                    continue
-                raise status.from_rpc_error(exc, f"router {replica.address}") from None
-            return self._take_list(reply)
-        last = self.fallback.pools()
-        if last is None:
-            raise Unavailable(f"no router answers ({self.address})")
-        return last
+        """Every pool and worker as a replica sees them (WorkerLists.list_workers)."""
+        return await self.lists.list_workers(timeout_s)
 
     # ---- completions ------------------------------------------------------------------------
 
