@@ -33,6 +33,18 @@ from tandem.routing.workers import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Handout:
+    """What the router handed one worker for a request, taken back when the request completes:
+    the blocks it expects the request to add to the worker's load, and the worker's report
+    count then (a report after it already carries the request's load)."""
+
+    worker: WorkerState
+    prefill_blocks: int
+    decode_blocks: int
+    reports_then: int
+
+
 @dataclass
 class Pool:
     config: PoolConfig
@@ -99,9 +111,8 @@ class Router:
                 pool.workers[address] = WorkerState(WorkerRef(address, address, cfg.name),
                                                     block_size=block_size)
             self.pools.append(pool)
-        #: request id -> per worker handed: (worker, prefill blocks, decode blocks, its report
-        #: count at hand-out)
-        self._handed: dict[str, list[tuple[WorkerState, int, int, int]]] = {}
+        #: request id -> what each worker it went to was handed.
+        self._handed: dict[str, list[Handout]] = {}
         self._by_kind = {kind: [p for p in self.pools if p.config.kind == kind]
                          for kind in POOL_KINDS}
         if grid is not None:
@@ -252,10 +263,9 @@ class Router:
         return RouteDecision(decode_workers=(), embedding_workers=refs)
 
     @staticmethod
-    def _hand_out(worker: WorkerState, prefill_blocks: int, decode_blocks: int
-                  ) -> tuple[WorkerState, int, int, int]:
+    def _hand_out(worker: WorkerState, prefill_blocks: int, decode_blocks: int) -> Handout:
         worker.hand_out(prefill_blocks, decode_blocks)
-        return worker, prefill_blocks, decode_blocks, worker.num_reports
+        return Handout(worker, prefill_blocks, decode_blocks, worker.num_reports)
 
     def complete(self, request_id: str) -> bool:
         """Releases a routed request's load; False for an unknown (or already completed) id."""
@@ -265,19 +275,19 @@ class Router:
         handed = self._handed.pop(request_id, None)
         if handed is None:
             return False
-        for worker, prefill_blocks, decode_blocks, reports_then in handed:
-            worker.take_back(prefill_blocks, decode_blocks, reports_then)
+        for h in handed:
+            h.worker.take_back(h.prefill_blocks, h.decode_blocks, h.reports_then)
         return True
 
     def in_flight(self, worker_id: str) -> int:
         """Requests routed to `worker_id` and not completed yet."""
         return sum(1 for handed in self._handed.values()
-                   if any(w.worker_id == worker_id for w, *_ in handed))
+                   if any(h.worker.worker_id == worker_id for h in handed))
 
     def snapshot(self, now: float) -> list[PoolSnapshot]:
         """Every pool and worker as of `now` (time.monotonic()): candidacy, load, index."""
         in_flight = Counter(worker_id for handed in self._handed.values()
-                            for worker_id in {w.worker_id for w, *_ in handed})
+                            for worker_id in {h.worker.worker_id for h in handed})
         return [PoolSnapshot(pool.name, pool.config.kind, pool.config.policy, tuple(
             WorkerSnapshot.of(w, in_flight[w.worker_id], self.index.num_blocks_of(w.worker_id),
                               now)
