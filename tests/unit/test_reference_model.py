@@ -139,7 +139,9 @@ def test_batched_decode_matches_last_position(families: dict[str, Family], name:
 
 
 def with_decode_part(meta: AttentionMetadata) -> AttentionMetadata:
-    """`meta` with its one-token sequences as a DecodePart, as build_step_inputs makes it."""
+    """`meta` with its one-token sequences as a DecodePart, as build_step_inputs makes it, their
+    tables padded with two more columns of block 0 (which holds live K/V here: only the context
+    lengths keep it out), as a width bucket pads them on CUDA."""
     singles = [s for s in range(meta.num_seqs)
                if meta.query_start_loc[s + 1] - meta.query_start_loc[s] == 1]
     index = torch.tensor(singles)
@@ -147,7 +149,8 @@ def with_decode_part(meta: AttentionMetadata) -> AttentionMetadata:
     part = AttentionMetadata(
         slot_mapping=meta.slot_mapping[rows], query_start_loc=[],
         context_lens=[meta.context_lens[s] for s in singles],
-        context_lens_t=meta.context_lens_t[index], block_tables=meta.block_tables[index],
+        context_lens_t=meta.context_lens_t[index],
+        block_tables=torch.nn.functional.pad(meta.block_tables[index], (0, 2)),
         block_size=meta.block_size, is_decode_only=True)
     return dataclasses.replace(meta, decode_part=DecodePart(rows, part, frozenset(singles)))
 

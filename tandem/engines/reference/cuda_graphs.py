@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engines.reference import kernels
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.model import DecoderModel
 
@@ -86,20 +85,20 @@ class DecodeGraphs:
         return logits[:n]
 
     def capture_all(self) -> int:
-        """Captures every bucket's graph now, then runs decode eagerly at each split count
-        that an eager step (the decodes of a mixed step, over any table width) may give the
-        decode attention kernel, whose split count is a compile-time constant: so that no
-        kernel compiles, tunes or is captured on a request's step. Returns the graph count."""
+        """Captures every bucket's graph now, so that no kernel compiles, tunes or is captured
+        on a request's step. An eager step's decodes (those of a mixed step) pad their tables
+        to a width bucket (`width_bucket`), so the decode kernel's split count, a compile-time
+        constant, is one these captures compiled. Returns the graph count."""
         for b in self.batch_buckets:
             for w in self.width_buckets:
                 if (b, w) not in self.graphs:
                     self.graphs[(b, w)] = self._capture(b, w)
-        per_split = max(kernels.SPLIT_TOKENS // self.block_size, 1)
-        batch = min(self.batch_buckets[-1], 2 * kernels.SMALL_BATCH)
-        for width in range(per_split, self.width_buckets[-1] + 1, per_split):
-            self._forward(batch, width)
         torch.cuda.synchronize()
         return len(self.graphs)
+
+    def width_bucket(self, width: int) -> int:
+        """The width a table of `width` blocks is padded to (itself beyond every bucket)."""
+        return _bucket(width, self.width_buckets) or width
 
     def _forward(self, b: int, w: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import array
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
 import torch
+import torch.nn.functional as F
 
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
@@ -62,9 +63,11 @@ class StepInputs:
     decode_rows: torch.Tensor | None = None
 
 
-def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
+def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device,
+                      decode_width: Callable[[int], int] | None = None) -> StepInputs:
     """Reads the requests' state now (on the event loop), so the forward pass can run in a
-    worker thread without touching scheduler state."""
+    worker thread without touching scheduler state. `decode_width`: the table width a mixed
+    step's decodes are padded to (DecodeGraphs.width_bucket), given the step's width."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -129,7 +132,9 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
             slot_mapping=slots_t.index_select(0, single_rows_t), query_start_loc=[],
             context_lens=[context_lens[s] for s in singles],
             context_lens_t=context_t.index_select(0, singles_t),
-            block_tables=block_tables.index_select(0, singles_t), block_size=block_size,
+            block_tables=_padded(block_tables.index_select(0, singles_t),
+                                 decode_width(width) if decode_width else width),
+            block_size=block_size,
             is_decode_only=True), frozenset(singles))
     meta = AttentionMetadata(
         slot_mapping=slots_t,
@@ -142,3 +147,8 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         decode_part=decode_part,
     )
     return StepInputs(ids_t, positions_t, meta, rows_t, prompt_spans, mm_spans, decode_rows)
+
+
+def _padded(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """`tables` [S, w] widened to `width` columns of block 0 (masked by the context lengths)."""
+    return F.pad(tables, (0, width - tables.shape[1])) if width > tables.shape[1] else tables
