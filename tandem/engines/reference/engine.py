@@ -172,7 +172,8 @@ class ReferenceEngine(BatchingEngine):
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         if not plan.scheduled:
             return []
-        inputs = build_step_inputs(plan, self.pool.block_size, self.device)
+        inputs = build_step_inputs(plan, self.pool.block_size, self.device,
+                                   self.graphs.width_bucket if self.graphs else None)
         encoded = await self._encode_step_images(inputs) if inputs.mm_spans else {}
         samples = [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
                                TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
