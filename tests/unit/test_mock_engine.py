@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.mock import timing
 from tandem.engines.mock.engine import MockEngine, create_mock_engine
-from tandem.engines.mock.sampler import stream_key
+from tandem.engines.mock.sampler import TokenSampler, stream_key
 from tandem.engines.registry import create_engine
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -468,3 +469,15 @@ def test_registry_builds_the_mock_engine(tiny_model: str) -> None:
     assert engine.max_model_len == 2048
     with pytest.raises(InvalidRequest):
         create_engine("mock", EngineArgs(model=tiny_model, num_gpu_blocks=-1))
+
+
+def test_batched_draws_equal_single_draws() -> None:
+    # The vectorized draw (numpy's wrapping uint64) gives each (key, position) the token the
+    # one-by-one draw does, keys across the whole 64-bit range included.
+    sampler = TokenSampler(65_536, [0, 1, 2, 65_535])
+    rng = random.Random(5)
+    for count in (1, 7, 8, 128):
+        keys = [rng.getrandbits(64) for _ in range(count - 1)] + [(1 << 64) - 1]
+        positions = [rng.randrange(100_000) for _ in range(count)]
+        assert sampler.draw_many(keys, positions) == [
+            sampler.draw(k, p) for k, p in zip(keys, positions, strict=True)]

@@ -120,12 +120,13 @@ class MockEngine(BatchingEngine):
         sampler = self.sampler
         sampled: list[Sampled] = []
         guided = self._draw_guided(plan)
+        drawn = sampler.draw_many([req.key for req in plan.ready],
+                                  [req.num_output for req in plan.ready])
         for row, req in enumerate(plan.ready):
-            position = req.num_output
-            token = guided[row] if row in guided else sampler.draw(req.key, position)
+            token = guided.get(row, drawn[row])
             k = req.sampling.top_logprobs
             sampled.append((token, None if k is None else
-                            sampler.logprob(req.key, position, token, k)))
+                            sampler.logprob(req.key, req.num_output, token, k)))
         return sampled
 
 

