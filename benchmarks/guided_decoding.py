@@ -1,4 +1,4 @@
-"""Cost of constrained decoding (issue 14): the reference engine in process, the same requests
+"""Cost of constrained decoding (issues 14, 25): the reference engine in process, the same requests
 with and without a JSON schema at 1, 16 and 64 concurrent streams, alternating --repeats times;
 output tokens/s and per-request ITL (median over requests of (last token - first token) / (tokens
 - 1)), and the grammar's compile time cold (new compiler) and cached.
@@ -7,10 +7,19 @@ The demo model (2 layers) makes the model's own step as cheap as it gets, so the
 of a step is at its largest here: an upper bound for real models, whose steps are longer while the
 mask costs the same per token of vocabulary.
 
+The host's grammar work is timed too: per step, the batch's mask fill (in the step's worker
+thread, overlapping the GPU's forward pass; since issue 25 it also takes the tokens sampled the
+step before into their grammars) and the grammar work on the event loop, between steps, as the
+step's tokens are emitted. --padded-vocab runs as before issue 25: xgrammar on the model's whole
+vocabulary (it then treats the ids past the tokenizer as special tokens and pays for each),
+its thread pool for every batch fill, each token accepted on the event loop. --mask-costs
+times fill and accept alone, per row, for that and for a synthetic 128k vocabulary of text.
+
 Usage (from the repository root):
     .venv/bin/python benchmarks/guided_decoding.py
     .venv/bin/python benchmarks/guided_decoding.py --model DIR --device cuda --streams 1 16 64
     PYTHONPATH=. python3 benchmarks/guided_decoding.py --shape 8b --device cuda   # lent GPU
+    .venv/bin/python benchmarks/guided_decoding.py --shape 8b --mask-costs      # no engine
 """
 from __future__ import annotations
 
@@ -18,14 +27,20 @@ import argparse
 import asyncio
 import json
 import pathlib
+import random
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine
-from tandem.engines.guided.matcher import Grammars
+from tandem.engines.guided import matcher
+from tandem.engines.guided.matcher import Grammars, fill_bitmask
 from tandem.engines.reference.engine import create_reference_engine
 from tandem.engines.types import EngineRequest, GuidedDecoding, GuidedKind, SamplingParams
 from tandem.model.demo import ensure_demo_model
@@ -37,6 +52,66 @@ SCHEMA = {"type": "object", "properties": {
     "score": {"type": "integer", "minimum": 0, "maximum": 100}},
     "required": ["summary", "tags", "score"]}
 GUIDED = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
+
+
+class HostTimes:
+    """The grammar's host work, timed by wrapping the engine's mask fill and Guide.accept."""
+
+    def __init__(self) -> None:
+        self.fills: list[tuple[int, float]] = []  # (guided rows, seconds) per step
+        self.accepts = 0.0
+        self.num_accepts = 0
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def install(self) -> None:
+        from tandem.engines.reference import engine as reference
+
+        fill, accept, defer = reference.fill_bitmask, matcher.Guide.accept, matcher.Guide.defer
+
+        def timed_fill(guides: Any, vocab_size: int) -> Any:
+            start = time.perf_counter()
+            out = fill(guides, vocab_size)
+            rows = sum(g is not None for g in guides)
+            if rows:
+                self.fills.append((rows, time.perf_counter() - start))
+            return out
+
+        def timed(method: Callable[[Any, int], bool]) -> Callable[[Any, int], bool]:
+            def timed_method(guide: Any, token_id: int) -> bool:
+                start = time.perf_counter()
+                ok = method(guide, token_id)
+                self.accepts += time.perf_counter() - start
+                self.num_accepts += 1
+                return ok
+            return timed_method
+
+        reference.fill_bitmask = timed_fill  # type: ignore[assignment]
+        matcher.Guide.accept = timed(accept)  # type: ignore[method-assign]
+        matcher.Guide.defer = timed(defer)  # type: ignore[method-assign]
+
+    def summary(self) -> dict:
+        """Median fill ms per step (worker thread), and the grammar's ms per step on the event
+        loop (accept or defer: their total over the steps that filled a mask)."""
+        if not self.fills:
+            return {}
+        steps = len(self.fills)
+        return {"fill_ms": 1000 * statistics.median(t for _, t in self.fills),
+                "accept_ms": 1000 * self.accepts / steps,
+                "rows": statistics.median(n for n, _ in self.fills)}
+
+
+def padded_vocab() -> None:
+    """Before issue 25: xgrammar matches against the model's whole vocabulary, its batch fill
+    runs on its default thread pool (half the host's cores), and the event loop takes each
+    sampled token into its grammar as it emits it."""
+    import xgrammar
+
+    matcher.grammar_vocab_size = lambda tokenizer, vocab_size, stop_ids: vocab_size
+    matcher._batch_matcher = xgrammar.BatchGrammarMatcher()
+    accept = matcher.Guide.accept
+    matcher.Guide.defer = lambda guide, token_id: accept(guide, token_id)  # type: ignore
 
 
 async def one_round(engine: BatchingEngine, streams: int, max_tokens: int, guided: bool,
@@ -93,28 +168,39 @@ async def main_async(args: argparse.Namespace) -> None:
     else:
         model = args.model or str(ensure_demo_model())
         engine_args = EngineArgs(model=model, device=args.device)
+    if args.padded_vocab:
+        padded_vocab()
     engine = create_reference_engine(engine_args)
     assert isinstance(engine, BatchingEngine)
     await engine.start()
+    host = HostTimes()
+    host.install()
     rows: dict[tuple[int, bool], list[dict]] = {}
     try:
         await one_round(engine, 4, 8, True, "warm-g")  # load the tokenizer and compile once
-        await one_round(engine, 4, 8, False, "warm")
+        for streams in args.streams:  # every batch size once, both ways, before timing
+            for guided in (False, True):
+                await one_round(engine, streams, 8, guided, f"warm-{streams}-{guided}")
         for r in range(args.repeats):
             for streams in args.streams:
                 for guided in (False, True):
+                    host.reset()
                     row = await one_round(engine, streams, args.max_tokens, guided,
                                           f"r{r}-{streams}-{guided}")
+                    row.update(host.summary())
                     rows.setdefault((streams, guided), []).append(row)
         cold, cached = compile_times(model, engine.vocab_size, engine._eos_ids)
     finally:
         await engine.close()
         tmp.cleanup()
+    vocab = "padded to the model's (before issue 25)" if args.padded_vocab else "the tokenizer's"
     print(f"\nreference engine, {model}, device {args.device}, max_tokens {args.max_tokens}, "
-          f"temperature 1; median of {args.repeats} alternating rounds\n")
+          f"temperature 1; median of {args.repeats} alternating rounds; grammar vocabulary "
+          f"{vocab}; fill threads {matcher.fill_threads()}\n")
     print("| streams | unconstrained tok/s | JSON schema tok/s | unconstrained ITL ms | "
-          "JSON schema ITL ms | ITL cost | tokens / request (schema) |")
-    print("|---|---|---|---|---|---|---|")
+          "JSON schema ITL ms | ITL cost | tokens / request (schema) | mask fill ms/step | "
+          "grammar on the loop ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for streams in args.streams:
         free, schema = rows[(streams, False)], rows[(streams, True)]
@@ -122,8 +208,88 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"| {streams} | {med(r['tok/s'] for r in free):.0f} | "
               f"{med(r['tok/s'] for r in schema):.0f} | {itl_free:.2f} | {itl_schema:.2f} | "
               f"{100 * (itl_schema / itl_free - 1):+.0f}% | "
-              f"{med(r['tokens/request'] for r in schema):.0f} |")
+              f"{med(r['tokens/request'] for r in schema):.0f} | "
+              f"{med(r.get('fill_ms', 0.0) for r in schema):.2f} | "
+              f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
     print(f"\ngrammar compile (this schema): cold {1000 * cold:.1f} ms, cached {1000 * cached:.3f} ms")
+
+
+def synthetic_grammars(model: str, vocab_size: int) -> Grammars:
+    """A real-sized vocabulary of text: the tokenizer's tokens, then distinct concatenations of
+    two of them (as BPE merges are) up to `vocab_size`; no padding ids."""
+    import xgrammar
+
+    base = Grammars.from_model_dir(model, 4096, [1]).decoded_vocab
+    texts = [t for t in base if t]
+    rng = random.Random(0)
+    vocab, seen = list(base), set(base)
+    while len(vocab) < vocab_size:
+        token = rng.choice(texts) + rng.choice(texts)
+        if token not in seen:
+            seen.add(token)
+            vocab.append(token)
+    info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size,
+                                  stop_token_ids=[1])
+    return Grammars(info)
+
+
+def walk(grammars: Grammars, vocab_size: int, rows: int, steps: int) -> tuple[float, float]:
+    """`rows` guides walked `steps` tokens (random allowed ones): median ms per step of the
+    batch fill and of the accepts (one by one)."""
+    rng = random.Random(rows)
+    guides = [grammars.guide(GUIDED, ()) for _ in range(rows)]
+    fills: list[float] = []
+    accepts: list[float] = []
+    for _ in range(steps):
+        live = [g for g in guides if not g.is_terminated]
+        if len(live) < rows // 2:
+            break
+        start = time.perf_counter()
+        bitmask = fill_bitmask(live, vocab_size)
+        fills.append(time.perf_counter() - start)
+        assert bitmask is not None
+        words = bitmask.to(torch.int64) & 0xFFFFFFFF
+        bits = ((words.unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)[:, :vocab_size]
+        tokens = [rng.choice(row.nonzero().flatten().tolist()) for row in bits]
+        start = time.perf_counter()
+        assert all(guide.accept(token) for guide, token in zip(live, tokens, strict=True))
+        accepts.append(time.perf_counter() - start)
+    return 1000 * statistics.median(fills), 1000 * statistics.median(accepts)
+
+
+def mask_costs(args: argparse.Namespace) -> None:
+    """The grammar's host work alone, per step of `rows` guided rows, no engine: the demo
+    tokenizer padded to the 8B model's 128,256 ids (before issue 25), the same with xgrammar on
+    the tokenizer's ids (now), and a synthetic 128,256-token vocabulary of text (a real one)."""
+    import xgrammar
+
+    vocab_size = 128256
+    with tempfile.TemporaryDirectory() as tmp:
+        model = dummy_8b(pathlib.Path(tmp)) if args.shape == "8b" else (
+            args.model or str(ensure_demo_model()))
+        real_vocab = matcher.grammar_vocab_size
+        cases: list[tuple[str, Callable[[], Grammars]]] = [
+            ("demo tokenizer padded (before)", lambda: (padded_vocab(), Grammars.from_model_dir(
+                model, vocab_size, [1]))[1]),
+            ("demo tokenizer, xgrammar on its ids (now)", lambda: (
+                setattr(matcher, "grammar_vocab_size", real_vocab),
+                Grammars.from_model_dir(model, vocab_size, [1]))[1]),
+            ("synthetic 128k text vocabulary", lambda: synthetic_grammars(model, vocab_size))]
+        threads = sorted({1, matcher.fill_threads()})
+        print(f"\ngrammar host work per step (median of up to {args.max_tokens} steps), "
+              f"JSON schema, random allowed tokens\n")
+        print("| vocabulary | rows | fill threads | mask fill ms/step | accepts ms/step | "
+              "fill us/row | accept us/row |")
+        print("|---|---|---|---|---|---|---|")
+        for name, make in cases:
+            grammars = make()
+            for rows in args.streams:
+                for n in threads:
+                    matcher._batch_matcher = xgrammar.BatchGrammarMatcher(n)
+                    fill, accept = walk(grammars, vocab_size, rows, args.max_tokens)
+                    print(f"| {name} | {rows} | {n} | {fill:.2f} | {accept:.2f} | "
+                          f"{1000 * fill / rows:.0f} | {1000 * accept / rows:.1f} |")
+        matcher._batch_matcher = None
 
 
 def main() -> None:
@@ -136,7 +302,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--padded-vocab", action="store_true",
+                        help="xgrammar on the model's whole vocabulary, as before issue 25")
+    parser.add_argument("--mask-costs", action="store_true",
+                        help="time the grammar's host work alone (no engine) and exit")
+    args = parser.parse_args()
+    if args.mask_costs:
+        mask_costs(args)
+        return
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.batching.engine import BatchingEngine
 from tandem.engines.guided.grammar import to_grammar
-from tandem.engines.guided.matcher import Grammars, fill_bitmask
+from tandem.engines.guided.matcher import Grammars, allowed_ids, fill_bitmask
 from tandem.engines.mock.engine import create_mock_engine
 from tandem.engines.reference.engine import create_reference_engine
 from tandem.engines.types import (
@@ -181,6 +182,86 @@ def test_json_numbers_end_within_int64_digits(model_dir: pathlib.Path) -> None:
     for _ in range(18):
         assert fraction.accept(one)
     assert not allowed(fraction, one)
+
+
+def bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each row's bits over the vocabulary (those past it, in the last word, mean nothing)."""
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF
+    return ((words.unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)[:, :vocab_size]
+
+
+@pytest.mark.parametrize("model_vocab", [4096, 4100, 5000, 128256])
+def test_masks_of_a_padded_vocabulary_match_xgrammars_bit_for_bit(
+        model_dir: pathlib.Path, tokenizer: object, model_vocab: int) -> None:
+    # xgrammar matches against the tokenizer's 4096 ids; the model's padding ids past them are
+    # written 0 by fill_bitmask. The masks, accepts and stops must be those of an xgrammar
+    # vocabulary padded to the model's, as before (issue 25).
+    import random
+
+    import xgrammar
+
+    grammars = Grammars.from_model_dir(model_dir, model_vocab, [1, 3])
+    assert grammars.vocab_size == model_vocab
+    padded = Grammars(xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=model_vocab, stop_token_ids=[1, 3]))
+    rng = random.Random(model_vocab)
+    for guided in [schema(s) for s in SCHEMAS] + [GuidedDecoding(GuidedKind.REGEX, "[a-z]{1,9}")]:
+        for _ in range(2):
+            # Several guides per batch (the batch fill), one unconstrained row among them.
+            news = [grammars.guide(guided, []) for _ in range(3)]
+            olds = [padded.guide(guided, []) for _ in range(3)]
+            for _ in range(40):
+                live = [i for i in range(3) if not olds[i].is_terminated]
+                if not live:
+                    break
+                new_mask = fill_bitmask([None] + [news[i] for i in live], model_vocab)
+                old_mask = fill_bitmask([None] + [olds[i] for i in live], model_vocab)
+                assert new_mask is not None and old_mask is not None
+                assert torch.equal(bits(new_mask, model_vocab), bits(old_mask, model_vocab))
+                for row, i in enumerate(live, 1):
+                    single = fill_bitmask([news[i]], model_vocab)
+                    assert single is not None
+                    assert torch.equal(bits(single, model_vocab)[0],
+                                       bits(old_mask, model_vocab)[row])
+                    ids = allowed_ids(old_mask, row, model_vocab)
+                    assert all(t < 4096 for t in ids)
+                    for pad in {4096, model_vocab - 1} if model_vocab > 4096 else ():
+                        assert not news[i].accept(pad) and not olds[i].accept(pad)
+                    token = rng.choice(ids)
+                    assert news[i].accept(token) and olds[i].accept(token)
+                    assert news[i].is_terminated == olds[i].is_terminated
+
+
+def test_deferred_tokens_move_a_guide_as_accepts_do(model_dir: pathlib.Path) -> None:
+    # The engine defers the tokens it sampled under a mask (Guide.defer): the next fill takes
+    # them first, in one batch, and the masks are those of guides that accepted each token at
+    # once; a stop token ends the grammar at once; a deferred token the grammar forbids
+    # fails the next defer or accept.
+    import random
+
+    grammars = Grammars.from_model_dir(model_dir, 4096, [1, 3])
+    rng = random.Random(0)
+    guided = schema(SCHEMAS[1])
+    deferred = [grammars.guide(guided, []) for _ in range(6)]
+    eager = [grammars.guide(guided, []) for _ in range(6)]
+    for _ in range(80):
+        live = [i for i in range(6) if not eager[i].is_terminated]
+        assert live == [i for i in range(6) if not deferred[i].is_terminated]
+        if not live:
+            break
+        got = fill_bitmask([deferred[i] for i in live], 4096)
+        expected = fill_bitmask([eager[i] for i in live], 4096)
+        assert got is not None and expected is not None
+        assert torch.equal(bits(got, 4096), bits(expected, 4096))
+        for row, i in enumerate(live):
+            token = rng.choice(allowed_ids(expected, row, 4096))
+            assert eager[i].accept(token) and deferred[i].defer(token)
+    assert all(g.is_terminated for g in deferred)
+    guide = grammars.guide(guided, [])
+    assert guide.defer(grammars.decoded_vocab.index(b"x"))  # not a JSON object's start
+    assert fill_bitmask([guide], 4096) is not None
+    assert not guide.defer(grammars.decoded_vocab.index(b"{"))
+    assert not guide.accept(grammars.decoded_vocab.index(b"{"))
 
 
 def test_compiled_grammars_are_cached_by_constraint(model_dir: pathlib.Path) -> None:

@@ -369,18 +369,21 @@ class BatchingEngine(Engine):
             finished_any |= self._emit(req, first.token_id, first)
         for req, (token, logprob) in zip(plan.ready, sampled, strict=True):
             if not req.is_finished:
-                finished_any |= self._emit(req, token, logprob)
+                finished_any |= self._emit(req, token, logprob, sampled=True)
         if finished_any:
             self.scheduler.compact()
 
-    def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None) -> bool:
+    def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None,
+              sampled: bool = False) -> bool:
         """Appends one output token; True when it finished the request.
 
         A guided request's token first advances its grammar: one the grammar forbids (only a
         prefill worker's first token can be one: the engine masks what it samples) fails the
-        request; one that completes the grammar (its stop token) finishes it, STOP."""
+        request; one that completes the grammar (its stop token) finishes it, STOP. A token
+        this engine `sampled` under the grammar's mask is taken by the grammar later, with the
+        next step's mask, off the event loop (Guide.defer)."""
         guide = req.guide
-        if guide is not None and not guide.accept(token):
+        if guide is not None and not (guide.defer(token) if sampled else guide.accept(token)):
             self._fail(req, FailedPrecondition(
                 f"token {token} at output position {req.num_output} breaks the request's "
                 f"{req.sampling.guided.kind.value if req.sampling.guided else ''} constraint",

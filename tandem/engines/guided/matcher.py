@@ -9,12 +9,22 @@ migrated request's already-generated output at the end of its prompt
 (GuidedDecoding.num_output_tokens_in_prompt); a disaggregated request's first token is emitted
 (and so taken) by the decode worker before it samples.
 
-Thread safety: `Grammars` and `Guide.accept` belong to the engine's event loop; `fill_bitmask`
-only reads guides, so a step's worker thread may call it while the loop waits for the step.
+Thread safety: `Grammars`, `Guide.accept` and `Guide.defer` belong to the engine's event loop;
+`fill_bitmask` moves only the guides of the step it fills (over their deferred tokens), so a
+step's worker thread may call it while the loop waits for the step: the loop emits, and so
+defers, a request's tokens only between steps.
+
+xgrammar's vocabulary is the tokenizer's, not the model's: a model whose logits are wider than
+its tokenizer (padded to a multiple of 64 or 128, or a small tokenizer on a large head) has ids
+no text maps to, which xgrammar would treat as special tokens, and xgrammar pays for each
+special token in every mask fill and every accept (a linear scan; ~50 us per accept and ~200 us
+per fill for 124k padding ids, issue 25). Those ids are never allowed: `fill_bitmask` writes
+their bits 0 itself, so the mask is the same bit for bit.
 """
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -31,38 +41,103 @@ log = logging.getLogger(__name__)
 #: Compiled grammars kept per engine, least recently used dropped first.
 GRAMMAR_CACHE_SIZE = 256
 _PARAM = "sampling.guided_decoding"
+#: Threads of xgrammar's batch mask fill; 0 (the default): half the cores this process may use.
+FILL_THREADS_ENV = "TANDEM_GUIDED_FILL_THREADS"
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """32-bit words of one bitmask row over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
+def grammar_vocab_size(tokenizer: Any, vocab_size: int, stop_ids: Iterable[int]) -> int:
+    """The vocabulary xgrammar matches against: every id the tokenizer maps to text, and the stop
+    ids, rounded up to whole 32-bit words of the bitmask; at most the model's `vocab_size`."""
+    ids = tokenizer.get_vocab().values()
+    extent = max(len(tokenizer), max(ids, default=-1) + 1, max(stop_ids, default=-1) + 1)
+    return min(vocab_size, 32 * bitmask_words(extent))
 
 
 class Guide:
-    """One request's position in its grammar."""
+    """One request's position in its grammar.
 
-    __slots__ = ("matcher",)
+    A sampled token may be taken later (`defer`): the engine masked what it sampled, so the
+    grammar allows it, and whether it ends the grammar is known now (a stop token, allowed only
+    once the grammar is complete). `fill_bitmask` takes the deferred tokens first, in the step's
+    worker thread while the device computes, rather than on the event loop between steps."""
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("matcher", "words", "stop_ids", "pending", "stopped", "rejected")
+
+    def __init__(self, matcher: Any, words: int | None = None) -> None:
         self.matcher = matcher
+        #: Bitmask words xgrammar fills (its vocabulary's); None: the bitmask's whole width.
+        #: Bits past them (ids outside the tokenizer) are never allowed.
+        self.words = words
+        self.stop_ids = frozenset(matcher.stop_token_ids)
+        #: Tokens deferred, not yet taken by the matcher.
+        self.pending: list[int] = []
+        #: A deferred stop token ended the grammar.
+        self.stopped = False
+        #: A deferred token the grammar refused (a bug in whatever sampled it), else None.
+        self.rejected: int | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advances over one emitted token; False (and unmoved) when the grammar forbids it."""
-        return bool(self.matcher.accept_token(token_id))
+        self.flush()
+        return self.rejected is None and bool(self.matcher.accept_token(token_id))
+
+    def defer(self, token_id: int) -> bool:
+        """Takes a token sampled under this guide's mask, later (`flush`); False when a token
+        deferred earlier turned out forbidden."""
+        if self.rejected is not None:
+            return False
+        self.pending.append(token_id)
+        if token_id in self.stop_ids:
+            self.stopped = True
+        return True
+
+    def flush(self) -> None:
+        """Advances over the deferred tokens."""
+        pending = self.pending
+        if not pending:
+            return
+        for token in pending:
+            if self.rejected is None and not self.matcher.accept_token(token):
+                self.rejected = token
+        pending.clear()
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and took its stop token: nothing more may follow."""
-        return bool(self.matcher.is_terminated())
+        return self.stopped or bool(self.matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into `bitmask[row]` (CPU, int32)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.flush()
+        words = self.words
+        if words is None or words == bitmask.shape[-1]:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        part = torch.empty(words, dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(part, 0)
+        bitmask[row, :words] = part
+        bitmask[row, words:] = 0
 
 
 class Grammars:
     """Compiles constraints against one model's vocabulary and makes guides from them."""
 
-    def __init__(self, tokenizer_info: Any, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer_info: Any, cache_size: int = GRAMMAR_CACHE_SIZE,
+                 vocab_size: int | None = None) -> None:
         import xgrammar
 
         self._xgr = xgrammar
-        self.vocab_size: int = tokenizer_info.vocab_size
+        #: The model's vocabulary (the logits' width); xgrammar's may be narrower.
+        self.vocab_size: int = vocab_size or tokenizer_info.vocab_size
+        #: Bitmask words xgrammar fills per row; None when that is the whole row.
+        self._words = (bitmask_words(tokenizer_info.vocab_size)
+                       if bitmask_words(tokenizer_info.vocab_size)
+                       != bitmask_words(self.vocab_size) else None)
         #: Each token's text as bytes (b"" for special tokens).
         self.decoded_vocab: list[bytes] = tokenizer_info.decoded_vocab
         # Its own cache is off: ours is bounded by count and keyed by the constraint.
@@ -93,11 +168,13 @@ class Grammars:
             raise FailedPrecondition(f"guided decoding needs the model's tokenizer, which "
                                      f"{model_dir} does not hold: {exc}", param=_PARAM) from exc
         stops = sorted(set(eos_ids)) or None
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=stops)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=grammar_vocab_size(tokenizer, vocab_size, stops or ()),
+            stop_token_ids=stops)
         log.info("guided decoding ready", extra={"vocab_size": vocab_size,
+                                                 "grammar_vocab_size": info.vocab_size,
                                                  "vocab_type": info.vocab_type.name})
-        return cls(info)
+        return cls(info, vocab_size=vocab_size)
 
     def compile(self, guided: GuidedDecoding) -> Any:
         """The compiled grammar of a constraint, from the cache when it was seen lately.
@@ -133,7 +210,7 @@ class Grammars:
             raise InvalidRequest(f"num_output_tokens_in_prompt ({num}) exceeds the prompt's "
                                  f"{len(prompt_ids)} tokens",
                                  param=f"{_PARAM}.num_output_tokens_in_prompt")
-        guide = Guide(self._xgr.GrammarMatcher(self.compile(guided)))
+        guide = Guide(self._xgr.GrammarMatcher(self.compile(guided)), self._words)
         for i, token in enumerate(prompt_ids[len(prompt_ids) - num:]):
             if not guide.accept(token):
                 raise InvalidRequest(
@@ -145,23 +222,77 @@ class Grammars:
 
 def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tensor | None:
     """One CPU int32 bitmask for a batch: row i allows what guides[i] allows next, every token
-    where guides[i] is None. None when no row is guided."""
-    if not any(g is not None for g in guides):
-        return None
-    import xgrammar
-
-    global _batch_matcher
-    bitmask = xgrammar.allocate_token_bitmask(len(guides), vocab_size)
+    where guides[i] is None. None when no row is guided. The guides first take the tokens
+    deferred to them (`Guide.defer`)."""
     rows = [row for row, guide in enumerate(guides) if guide is not None]
+    if not rows:
+        return None
+    _flush([guides[row] for row in rows])  # type: ignore[misc]
+    width = bitmask_words(vocab_size)
+    bitmask = torch.full((len(guides), width), -1, dtype=torch.int32)
+    by_words: dict[int, list[int]] = {}
+    for row in rows:
+        by_words.setdefault(guides[row].words or width, []).append(row)  # type: ignore[union-attr]
+    for words, group in by_words.items():
+        if words == width:
+            _fill_rows(guides, group, bitmask)
+            continue
+        # xgrammar fills its narrower rows; the ids past its vocabulary are never allowed.
+        part = torch.empty((len(guides), words), dtype=torch.int32)
+        _fill_rows(guides, group, part)
+        if len(group) == len(guides):
+            bitmask[:, :words] = part
+            bitmask[:, words:] = 0
+        else:
+            index = torch.tensor(group)
+            bitmask[index, :words] = part[index]
+            bitmask[index, words:] = 0
+    return bitmask
+
+
+def _flush(guides: list[Guide]) -> None:
+    """Advances each guide over its deferred tokens: one call into xgrammar for those with one."""
+    ones = [g for g in guides if len(g.pending) == 1 and g.rejected is None]
+    if len(ones) > 1:
+        import xgrammar
+
+        accepted = xgrammar.BatchGrammarMatcher.batch_accept_token(
+            [g.matcher for g in ones], [g.pending[0] for g in ones])
+        for guide, ok in zip(ones, accepted, strict=True):
+            if not ok:
+                guide.rejected = guide.pending[0]
+            guide.pending.clear()
+    for guide in guides:
+        guide.flush()
+
+
+def _fill_rows(guides: Sequence[Guide | None], rows: list[int], bitmask: torch.Tensor) -> None:
+    """Fills `bitmask[row]` from guides[row] for each row (as wide as those guides' masks);
+    several rows in one call into xgrammar, on its thread pool (GIL released)."""
     if len(rows) == 1:
-        guides[rows[0]].fill(bitmask, rows[0])  # type: ignore[union-attr]
-        return bitmask
-    # Several rows: one call into xgrammar, which fills them on its own threads (GIL released).
+        guides[rows[0]].matcher.fill_next_token_bitmask(bitmask, rows[0])  # type: ignore[union-attr]
+        return
+    global _batch_matcher
     if _batch_matcher is None:
-        _batch_matcher = xgrammar.BatchGrammarMatcher()
+        import xgrammar
+
+        _batch_matcher = xgrammar.BatchGrammarMatcher(fill_threads())
     _batch_matcher.batch_fill_next_token_bitmask(
         [guides[row].matcher for row in rows], bitmask, rows)  # type: ignore[union-attr]
-    return bitmask
+
+
+def fill_threads() -> int:
+    """Threads for xgrammar's batch fill: TANDEM_GUIDED_FILL_THREADS, else half the cores this
+    process may run on (xgrammar's own default halves the host's, which a container may not
+    have)."""
+    configured = int(os.environ.get(FILL_THREADS_ENV, "0") or 0)
+    if configured > 0:
+        return configured
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 #: xgrammar's batch filler (its thread pool), made on first use.
