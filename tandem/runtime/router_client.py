@@ -251,10 +251,7 @@ class RouterClient:
         except Unavailable:
             return None
         self._routed_locally.add(info.request_id)
-        self._on_local_route()
-        replica = next(iter(self.replicas.up_order()), None)
-        if replica is not None:
-            self.lists.maybe_refresh(replica)
+        self._on_local_route()  # the list it routes on is kept fresh by WorkerLists' own loop
         return decision
 
     def _route_alone(self, info: RouteRequestInfo) -> RouteDecision:
