@@ -221,6 +221,10 @@ def test_a_killed_decode_worker_is_restarted_and_routed_to_again(topo: Topology)
         return victim in workers and bool(workers[victim]["candidate"])
 
     wait_until(is_candidate, "the restarted worker never became a candidate again")
+    # The frontend routes in its own process: its watcher reconnects to the worker on its own
+    # back-off, and its gauge follows at the next look at the list.
+    wait_until(lambda: local_candidates(topo) == 2,
+               "the frontend's local router never took the restarted worker again", 30)
     # Distinct prompts, so that no cached prefix holds them to one worker.
     picks = {served_by(client, topo.model, [5, i, 6, i] * 10) for i in range(12)}
     assert victim in picks
