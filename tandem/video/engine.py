@@ -30,8 +30,9 @@ class VideoEngine(ABC):
 
     Contract:
       - `load` runs once, before any `generate`; it may take minutes (weights, compilation).
-      - `generate` runs one video whole and returns its frames as float32 RGB in [0, 1], shape
-        (num_frames, height, width, 3). It calls `on_step` after every denoising step, on the
+      - `generate` runs one video whole and returns its frames as uint8 RGB on the host, shape
+        (num_frames, height, width, 3) (converted on the pipeline's device: see
+        `pipelines.frames_to_uint8`). It calls `on_step` after every denoising step, on the
         calling thread; whatever `on_step` raises ends the generation before the next step
         and propagates. Calls never overlap (a pipeline's scheduler is per-call state).
       - `spec` (valid after `load`) says which sizes and frame counts the model produces.

@@ -39,7 +39,7 @@ class SteppedEngine(VideoEngine):
             assert self.go.acquire(timeout=10)
             self.steps_run += 1
             on_step(step, params.num_inference_steps)
-        return np.zeros((params.num_frames, params.height, params.width, 3), np.float32)
+        return np.zeros((params.num_frames, params.height, params.width, 3), np.uint8)
 
 
 def _request(steps: int) -> VideoRequestParams:
