@@ -143,7 +143,7 @@ def _sweep(frames: Any, fps: int) -> None:
             data = mp4.encode_mp4(frames, fps, encoder)
             times.append(time.perf_counter() - start)
         print(f"{name:<32}{statistics.median(times):>9.3f}{len(data) / 1e6:>8.2f}"
-              f"{_psnr(frames, data):>9.2f}")
+              f"{_psnr(frames, data):>9.2f}", flush=True)
 
 
 async def _measure(pipe: Any, params: ResolvedParams, sync: Callable[[], None], repeats: int,
@@ -171,6 +171,7 @@ async def _measure(pipe: Any, params: ResolvedParams, sync: Callable[[], None], 
         for path, runner in runners.items():
             seconds = await _tandem(runner, [as_request(params)])
             latency[path].append((seconds, _denoise_rate(engine.marks)))
+        print("latency runs:", {p: round(r[-1][0], 3) for p, r in latency.items()}, flush=True)
     requests = [dataclasses.replace(as_request(params), seed=params.seed + i)
                 for i in range(num_jobs)]
     throughput = {"diffusers": sum(_diffusers(pipe, params, sync)[0]
@@ -178,6 +179,7 @@ async def _measure(pipe: Any, params: ResolvedParams, sync: Callable[[], None], 
     for path, runner in runners.items():
         throughput[path] = await _tandem(runner, requests) / num_jobs
         await runner.close()
+    print("throughput s/video:", {p: round(t, 3) for p, t in throughput.items()}, flush=True)
     base = statistics.median(r[0] for r in latency["diffusers"])
     print(f"\n{'shape WxHxF':<14}{'path':<22}{'latency s':>10}{'x diff.':>8}"
           f"{'steps/s denoise':>16}{f'{num_jobs} queued: s/video':>20}{'x diff.':>8}")
