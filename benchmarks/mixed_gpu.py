@@ -11,6 +11,8 @@ Each variant runs in the same process on the same engine configuration:
     (AttentionMetadata.decode_part);
   * `loop` (before): every sequence of a mixed step through the per-sequence attention loop,
     by dropping decode_part from the step's inputs;
+  * `full`: as `batched`, with every step computed in full before the next is scheduled
+    (--disable-overlap-scheduler; `batched` launches decode steps ahead of their tokens);
 for each token budget (`--max-num-tokens`). Also the pure-decode step rate at batch C
 (C requests of ISL tokens all at once, the steps after every prefill) for reference.
 
@@ -162,17 +164,22 @@ async def run(args: argparse.Namespace) -> dict:
                 if budget in args.profile:
                     print(f"profile at budget {budget}:", flush=True)
                     print(await profile_steps(engine, args, vocab), flush=True)
+                overlap, ahead = engine.overlap, engine.num_steps_ahead
                 for variant in args.variants:
-                    reference.build_step_inputs = (built if variant == "batched"
-                                                   else dropping_decode_part(built))
+                    reference.build_step_inputs = (dropping_decode_part(built)
+                                                   if variant == "loop" else built)
+                    engine.overlap = None if variant == "full" else overlap
                     steps = step_timer(engine)
                     try:
                         fig = await closed_loop(engine, args.isl, args.osl, args.concurrency,
                                                 args.requests, vocab, seed=budget)
                     finally:
                         reference.build_step_inputs = built
+                        engine.overlap = overlap
                         del engine._forward_and_sample
                     fig.update(step_summary(steps, fig["wall_s"]))
+                    fig["steps_ahead"] = engine.num_steps_ahead - ahead
+                    ahead = engine.num_steps_ahead
                     out["runs"][f"{variant}/{budget}"] = fig
                     print(f"{variant:8s} budget {budget:5d}: {fig['tps']:,.0f} tok/s, TTFT p50 "
                           f"{fig['ttft_p50']:.0f} ms, ITL p50 {fig['itl_p50']:.2f} ms p99 "
@@ -257,8 +264,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--max-num-tokens", type=int, nargs="+", default=[8192, 2048])
-    parser.add_argument("--variants", nargs="+", default=["batched", "loop"],
-                        choices=["batched", "loop"])
+    parser.add_argument("--variants", nargs="+", default=["batched", "full", "loop"],
+                        choices=["batched", "full", "loop"])
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="token budgets to profile (torch.profiler) before their runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "mixed_gpu_out"))

@@ -36,6 +36,9 @@ class EngineArgs:
     max_seq_len: int = 0
     #: Most requests admitted but not yet running; past it new requests get RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
+    #: Reference engine and TensorRT-LLM: compute each decode step in full before scheduling
+    #: the next, instead of launching the next while the device computes this one.
+    disable_overlap_scheduler: bool = False
     # == KV cache ==
     #: Tokens per KV block (the router's and frontend's block size must match).
     kv_block_size: int = field(default=32, metadata={"flag": "--kv-block-size"})

@@ -239,6 +239,11 @@ class BlockPool:
         if slot is not None:
             self._copies.offloads.append((block, slot))
 
+    @property
+    def has_copies(self) -> bool:
+        """Whether copies are queued for the next step (see take_copies)."""
+        return bool(self._copies)
+
     def take_copies(self) -> BlockCopies:
         """The copies queued since the previous call (offloads, then onboards); the caller runs
         them before the next forward pass and unpins each onboard's host slot."""

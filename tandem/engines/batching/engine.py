@@ -1,7 +1,8 @@
 """A continuous-batching engine over a BlockPool: everything the mock and reference engines
 share (admission, validation, the step loop, finishing, aborting, stats). A backend supplies
 only `_execute`: what computing one scheduled step means (sleeping for a modelled time, or
-running a model and sampling).
+running a model and sampling); and `_launch` where it can start a decode step before the
+previous step's tokens reach the host (overlap scheduling, tandem.engines.batching.ahead).
 """
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.base import Engine, PausePoint, Progress, TransferObserver
+from tandem.engines.batching.ahead import (
+    PLACEHOLDER,
+    Sampled,
+    StepAhead,
+    is_plain_decode,
+    may_schedule_ahead,
+    same_requests,
+)
 from tandem.engines.batching.host_copies import CopyTiming, HostCopies
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
@@ -52,9 +61,6 @@ from tandem.kv.transfer import KvTransfer
 log = logging.getLogger(__name__)
 
 
-#: The token a ready request samples this step, with its logprobs when asked for.
-Sampled = tuple[int, TokenLogprob | None]
-
 
 class BatchingEngine(Engine):
     """The Engine contract over a Scheduler and BlockPool.
@@ -88,6 +94,8 @@ class BatchingEngine(Engine):
         self._closed = False
         self._failure: BaseException | None = None
         self.num_steps = 0
+        #: Steps launched ahead of the previous step's tokens (see `_launch`).
+        self.num_steps_ahead = 0
         #: The debug hooks (pause_steps, pause_when): the loop waits on it before each step.
         self._gate = StepGate(self.name, self._settled_point)
         #: True while the loop waits for blocks held outside the batch (leases, KV reads):
@@ -103,6 +111,8 @@ class BatchingEngine(Engine):
         self.loads = KvLoads(self)
         #: Guided decoding: built from the model's tokenizer with the first guided request.
         self._grammars: Grammars | None = None
+        #: The step launched ahead whose tokens are not applied yet (see `_launch`).
+        self._ahead: StepAhead | None = None
 
     @property
     def layout(self) -> KvLayout:
@@ -143,6 +153,13 @@ class BatchingEngine(Engine):
     async def _execute(self, plan: StepPlan) -> list[Sampled]:
         """Computes the scheduled step; returns one sampled token per request in `plan.ready`
         (in that order). May await; requests aborted meanwhile are skipped by the caller."""
+
+    def _launch(self, plan: StepPlan, after: StepAhead | None) -> StepAhead | None:
+        """Starts computing `plan`, a plain decode step (ahead.is_plain_decode), without
+        waiting for its tokens; `after`: the step launched before it, whose sampled tokens
+        (still on the device) are the inputs of `plan`'s requests that are alive in it.
+        Returns None where this backend computes `plan` in full instead (the default)."""
+        return None
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -312,6 +329,10 @@ class BatchingEngine(Engine):
     async def _run(self) -> None:
         try:
             while not self._closed:
+                if self._ahead is not None and (not self.scheduler.has_work
+                                                or self._gate.is_armed):
+                    await self._settle()
+                    continue
                 if not self.scheduler.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -321,6 +342,8 @@ class BatchingEngine(Engine):
                 if self._closed:
                     break
                 await self._step()
+            if self._ahead is not None:  # its device work ends before close() returns
+                await self._settle()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: fail every stream loudly instead of hanging them
@@ -331,8 +354,16 @@ class BatchingEngine(Engine):
             self._requests.clear()
 
     async def _step(self) -> None:
+        ahead = self._ahead
+        if ahead is not None and not may_schedule_ahead(self.scheduler, ahead):
+            await self._settle()
+            ahead = None
         plan = self.scheduler.schedule()
         self.num_steps += 1
+        if await self._run_ahead(plan, ahead):
+            self._publish(self.pool.take_events())
+            self._gate.after_step()
+            return
         if not (plan.scheduled or plan.first_tokens or plan.num_preempted or plan.loads
                 or self.scheduler.running):
             if self.leases or self.loads:
@@ -357,6 +388,45 @@ class BatchingEngine(Engine):
         self._apply(plan, sampled)
         self._publish(self.pool.take_events())
         self._gate.after_step()
+
+    async def _run_ahead(self, plan: StepPlan, ahead: StepAhead | None) -> bool:
+        """Launches `plan` ahead of its tokens where it can (then True); `ahead`, the step
+        launched before it (if any), is settled either way, and `plan` then holds only the
+        requests still alive."""
+        launched = None
+        if (is_plain_decode(plan) and not self.pool.has_copies and not self._gate.is_armed
+                and (ahead is None or same_requests(plan, [r for r in ahead.reqs
+                                                            if not r.is_finished]))):
+            launched = self._launch(plan, ahead)
+        if ahead is not None:
+            await self._settle()
+            if launched is None and any(r.is_finished for r, _ in plan.scheduled):
+                plan.scheduled = [(r, n) for r, n in plan.scheduled if not r.is_finished]
+                plan.ready = [r for r in plan.ready if not r.is_finished]
+        if launched is None:
+            return False
+        self._ahead = launched
+        self.num_steps_ahead += 1
+        for req in launched.reqs:
+            if not req.is_finished:  # those the settled step finished compute a dropped row
+                req.token_ids.append(PLACEHOLDER)
+                req.num_pending = 1
+        return True
+
+    async def _settle(self) -> None:
+        """Waits for the step launched ahead and applies its tokens."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        sampled = await ahead.sampled()
+        finished_any = False
+        for req, (token, logprob) in zip(ahead.reqs, sampled, strict=True):
+            if req.is_finished or not req.num_pending:
+                continue
+            req.token_ids.pop()  # the placeholder
+            req.num_pending = 0
+            finished_any |= self._emit(req, token, logprob, sampled=True)
+        if finished_any:
+            self.scheduler.compact()
 
     def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
         finished_any = False

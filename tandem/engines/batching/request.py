@@ -24,7 +24,7 @@ class BatchRequest:
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
                  "prompt_logprobs", "kv_handle", "lease_ms", "is_loading", "context",
-                 "embeddings", "guide")
+                 "embeddings", "guide", "num_pending")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None,
@@ -75,6 +75,9 @@ class BatchRequest:
         #: With SamplingParams.guided: where the output stands in its grammar. Moved only by
         #: emitted tokens (see tandem.engines.guided.matcher).
         self.guide = guide
+        #: 1 while token_ids ends with a token still on the device (a PLACEHOLDER: see
+        #: tandem.engines.batching.ahead), else 0.
+        self.num_pending = 0
 
     @property
     def is_prefilling(self) -> bool:

@@ -102,7 +102,8 @@ class Scheduler:
             plan.prefill_tokens += n
         req.num_computed += n
         plan.scheduled.append((req, n))
-        full = req.num_computed // self.block_size
+        # A block holding a token still on the device (a placeholder) is not hashed yet.
+        full = min(req.num_computed, len(req.token_ids) - req.num_pending) // self.block_size
         if full > req.table.num_committed and self.pool.enable_prefix_caching:
             hashes = req.block_hashes(full, self.block_size)
             self.pool.commit(req.table, req.token_ids, hashes, full, req.mm_per_block)
@@ -148,6 +149,9 @@ class Scheduler:
         waiting = self.waiting
         while waiting and len(running) < self.max_batch_size:
             req = waiting[0]
+            if req.is_finished:  # preempted ahead of its last token (see batching.ahead)
+                waiting.popleft()
+                continue
             if req.kv_handle is not None:
                 # Blocks now, compute never: the engine reads the KV, then `loaded` resumes it.
                 if not self.pool.can_allocate(req.num_prompt):

@@ -30,6 +30,12 @@ class StepGate:
         #: pause_when's condition and the future it sets.
         self._pause_at: tuple[int, asyncio.Future[PausePoint]] | None = None
 
+    @property
+    def is_armed(self) -> bool:
+        """Whether a hook holds the loop or waits for a point to: the engine then runs each step
+        in full (never ahead), so that a pause finds every computed token delivered."""
+        return not self._open.is_set() or self._pause_at is not None
+
     async def wait(self) -> None:
         await self._open.wait()
 

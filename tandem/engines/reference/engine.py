@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.engines.args import EngineArgs
+from tandem.engines.batching.ahead import StepAhead
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
 from tandem.engines.batching.host_copies import CopyTiming
 from tandem.engines.batching.scheduler import StepPlan
@@ -39,6 +40,7 @@ from tandem.engines.reference.encoder import ImageEncoder
 from tandem.engines.reference.host_kv import HostKvStore
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.overlap import OverlapSteps
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
@@ -83,6 +85,9 @@ class ReferenceEngine(BatchingEngine):
                        or model.decode_syncs(max_graph_batch)
                        else DecodeGraphs(model, kv_cache, max_graph_batch,
                                          -(-max_model_len // block_size)))
+        #: Decode steps launched ahead of their tokens; None with --disable-overlap-scheduler.
+        self.overlap = (None if args.disable_overlap_scheduler
+                        else OverlapSteps(self.sampler, self._decode_logits))
         #: The host KV tier's memory (--kv-host-cache-bytes), None without one.
         host = self.pool.host
         self.host_kv = HostKvStore(kv_cache, host.total) if host is not None else None
@@ -103,6 +108,11 @@ class ReferenceEngine(BatchingEngine):
     def _capture_graphs(self) -> int:
         assert self.graphs is not None
         return self.graphs.capture_all()
+
+    async def close(self) -> None:
+        await super().close()  # settles any step launched ahead first
+        if self.overlap is not None:
+            self.overlap.close()
 
     async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
         assert self.host_kv is not None
@@ -175,10 +185,7 @@ class ReferenceEngine(BatchingEngine):
         inputs = build_step_inputs(plan, self.pool.block_size, self.device,
                                    self.graphs.width_bucket if self.graphs else None)
         encoded = await self._encode_step_images(inputs) if inputs.mm_spans else {}
-        samples = [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
-                               TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
-                               req.stop_ids, req.key)
-                   for req in plan.ready]
+        samples = _sample_inputs(plan)
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
         guides = [req.guide for req in plan.ready]
@@ -191,6 +198,28 @@ class ReferenceEngine(BatchingEngine):
             if start + count == req.num_prompt - 1:
                 req.stream.set_prompt_logprobs(list(req.prompt_logprobs))
         return sampled
+
+    def _launch(self, plan: StepPlan, after: StepAhead | None) -> StepAhead | None:
+        if self.overlap is None:
+            return None
+        inputs = build_step_inputs(plan, self.pool.block_size, self.device,
+                                   self.graphs.width_bucket if self.graphs else None)
+        if inputs.decode_rows is None:
+            return None
+        return self.overlap.launch(plan.ready, inputs, _sample_inputs(plan), after)
+
+    def _decode_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of a decode-only step's sampled rows: through its CUDA graph where one
+        serves it (the graph's output buffer: read before the next step), else eagerly."""
+        rows = inputs.decode_rows
+        assert rows is not None
+        shape = (self.graphs.buckets(*inputs.meta.block_tables.shape)
+                 if self.graphs is not None and not inputs.mm_spans else None)
+        if shape is not None and self.graphs is not None:
+            logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
+            return logits.index_select(0, inputs.sample_rows)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
@@ -236,6 +265,14 @@ class ReferenceEngine(BatchingEngine):
         bitmask = fill_bitmask(guides, logits.shape[-1])
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
+
+
+def _sample_inputs(plan: StepPlan) -> list[SampleInput]:
+    """What the sampler reads of each ready request (views of its tokens, taken now)."""
+    return [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
+                        TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
+                        req.stop_ids, req.key)
+            for req in plan.ready]
 
 
 def _device(name: str) -> torch.device:

@@ -12,7 +12,8 @@ batch and however many draws came before (preemption recomputes). Draws use the 
 (argmax of probs / Exp(1) noise), always over the vocabulary in id order, so the noise a row sees
 does not depend on which filters other rows in the batch asked for.
 
-The only device-to-host transfer per call is one copy of the chosen tokens and logprob values.
+The only device-to-host transfer per call is one copy of the chosen tokens and logprob values;
+`launch` leaves it to the caller (the tokens stay on the device, for a step launched ahead).
 """
 from __future__ import annotations
 
@@ -61,6 +62,20 @@ def draw_seed(seed: int, position: int) -> int:
     return _mix64((_mix64(seed & _MASK) + (position + 1) * _GOLDEN) & _MASK)
 
 
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """A batch's draws, still on the device (Sampler.launch)."""
+
+    #: [N] the chosen token ids.
+    tokens: torch.Tensor
+    #: What the host needs, in one tensor for one copy: the tokens, then the packed logprobs
+    #: of the rows that asked for them (float64 then).
+    values: torch.Tensor
+    #: Rows that asked for logprobs, and how many alternatives each.
+    lp_rows: list[int]
+    ks: list[int]
+
+
 class Sampler:
     """Picks one token per row of a logits batch. Not thread-safe: one engine loop owns it."""
 
@@ -79,9 +94,15 @@ class Sampler:
         Returns:
             N outputs, in the order of `inputs`.
         """
-        n = len(inputs)
-        if n == 0:
+        if not inputs:
             return []
+        draws = self.launch(logits, inputs)
+        return self.collect(draws, draws.values.tolist())
+
+    def launch(self, logits: torch.Tensor, inputs: Sequence[SampleInput]) -> Draws:
+        """`sample` up to the copy to the host: the kernels are queued, nothing waits for the
+        device (N >= 1)."""
+        n = len(inputs)
         x = self._apply_penalties(logits, inputs)
         x = self._mask_stops(x, inputs)
         greedy = [i for i, r in enumerate(inputs) if r.params.temperature == 0.0]
@@ -96,7 +117,32 @@ class Sampler:
             d_idx = self._tensor(drawn, torch.long)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[d_idx] = self._draw(x[d_idx], [inputs[i] for i in drawn])
-        return self._finish(logits, tokens, inputs)
+        lp_rows = [i for i, r in enumerate(inputs) if r.params.top_logprobs is not None]
+        if not lp_rows:
+            return Draws(tokens, tokens, [], [])
+        ks = [inputs[i].params.top_logprobs or 0 for i in lp_rows]
+        if len(lp_rows) == n:
+            raw, chosen = logits, tokens
+        else:
+            idx = self._tensor(lp_rows, torch.long)
+            raw, chosen = logits[idx], tokens[idx]
+        packed = _pack_logprobs(raw, chosen, max(ks))
+        return Draws(tokens, torch.cat([tokens.to(torch.float64), packed]), lp_rows, ks)
+
+    @staticmethod
+    def collect(draws: Draws, values: list[float]) -> list[SampleOutput]:
+        """The outputs of `draws` from its `values` once on the host (as a list: ints without
+        logprobs)."""
+        if not draws.lp_rows:
+            return [SampleOutput(int(t), None) for t in values]
+        n = len(draws.tokens)
+        token_ids = [int(t) for t in values[:n]]
+        logprobs = _unpack_logprobs(values[n:], token_ids=[token_ids[i] for i in draws.lp_rows],
+                                    k=max(draws.ks), ks=draws.ks)
+        out = [SampleOutput(t, None) for t in token_ids]
+        for i, lp in zip(draws.lp_rows, logprobs):
+            out[i] = SampleOutput(token_ids[i], lp)
+        return out
 
     def _tensor(self, values: Sequence[int] | Sequence[float] | torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
@@ -188,29 +234,6 @@ class Sampler:
             drop = (before >= top_p) & (top_p < 1.0) & (ranks > 0)
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
-
-    def _finish(self, logits: torch.Tensor, tokens: torch.Tensor,
-                inputs: Sequence[SampleInput]) -> list[SampleOutput]:
-        """Raw logprobs where asked, then the single transfer to the host."""
-        n = len(inputs)
-        lp_rows = [i for i, r in enumerate(inputs) if r.params.top_logprobs is not None]
-        if not lp_rows:
-            return [SampleOutput(t, None) for t in tokens.tolist()]
-        k = max(inputs[i].params.top_logprobs or 0 for i in lp_rows)
-        if len(lp_rows) == n:
-            raw, chosen = logits, tokens
-        else:
-            idx = self._tensor(lp_rows, torch.long)
-            raw, chosen = logits[idx], tokens[idx]
-        packed = _pack_logprobs(raw, chosen, k)
-        values = torch.cat([tokens.to(torch.float64), packed]).tolist()
-        token_ids = [int(t) for t in values[:n]]
-        logprobs = _unpack_logprobs(values[n:], token_ids=[token_ids[i] for i in lp_rows], k=k,
-                                    ks=[inputs[i].params.top_logprobs or 0 for i in lp_rows])
-        out = [SampleOutput(t, None) for t in token_ids]
-        for i, lp in zip(lp_rows, logprobs):
-            out[i] = SampleOutput(token_ids[i], lp)
-        return out
 
 
 def _pack_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -113,14 +113,16 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device,
     # ~10 us, which a batch-1 decode step on a GPU pays in full); the tensors are views of it.
     # Gathered in an int64 array: torch.tensor of a list costs ~0.1 us per element (0.25 ms
     # for the 2,500 values of 64 sequences of 1,000 tokens, 0.07 ms through the array, on a
-    # development VM). Not pinned: pinning these few hundred bytes each step
-    # bought nothing measurable on the H100 machines (0.23 ms to build a batch-1 step's inputs
-    # pinned, 0.25 ms pageable, two machines).
+    # development VM). Pinned on CUDA: a copy from pageable memory may wait for the stream,
+    # and a step launched ahead (batching.ahead) is built while the previous one computes.
     parts = (token_ids, positions, slots, context_lens, rows, singles,
              [query_start[s] for s in singles])
     values = array.array("q", itertools.chain(*parts, *(t + [0] * (width - len(t))
                                                         for t in tables)))
-    flat = torch.frombuffer(values, dtype=torch.long).to(device, non_blocking=True)
+    flat = torch.frombuffer(values, dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
     ids_t, positions_t, slots_t, context_t, rows_t, singles_t, single_rows_t, tables_t = \
         flat.split([*(len(part) for part in parts), len(tables) * width])
     num_seqs = len(context_lens)

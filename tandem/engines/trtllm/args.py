@@ -74,6 +74,8 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
         out["max_seq_len"] = args.max_seq_len
     if args.enforce_eager:
         out["cuda_graph_config"] = None
+    if args.disable_overlap_scheduler:
+        out["disable_overlap_scheduler"] = True
     if args.guided_decoding_backend != "none":
         out["guided_decoding_backend"] = args.guided_decoding_backend
         # Upstream builds its grammar backend from the LLM's tokenizer (create_py_executor
