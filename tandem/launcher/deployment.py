@@ -31,6 +31,9 @@ class Deployment:
     # == network ==
     #: Address every service binds to and is reached at.
     host: str = "127.0.0.1"
+    #: The services talk over Unix-domain sockets in a private directory of this run (the
+    #: addresses they advertise stay TCP); off, or with TLS: over TCP.
+    unix_sockets: bool = True
     #: Frontend OpenAI REST port.
     http_port: int = 8000
     #: Frontend public gRPC Inference port.
@@ -170,6 +173,9 @@ class ServiceProcess:
     argv: list[str]
     #: Processes of one group are stopped together (the frontend processes); "": its name.
     stop_group: str = ""
+    #: Whether other services of the topology dial its gRPC port (workers, routers): it then
+    #: gets a Unix-domain socket (tandem.runtime.unix_sockets); frontends are dialed by clients.
+    is_dialed_by_peers: bool = True
 
 
 def _serve(stage: str, *flags: str) -> list[str]:
@@ -308,11 +314,12 @@ def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
     metrics = [["--metrics-port", str(d.frontend_metrics_port + i)] if d.frontend_metrics_port
                else [] for i in range(d.frontend_processes)]
     if d.frontend_processes == 1:
-        return [ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", [*argv, *metrics[0]])]
+        return [ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", [*argv, *metrics[0]],
+                               is_dialed_by_peers=False)]
     own_ports = _free_ports(d.host, d.frontend_processes)
     return [ServiceProcess(f"frontend-{i}", f"{d.host}:{port}",
                            [*argv, *metrics[i], "--reuse-port", "--own-grpc-port", str(port)],
-                           stop_group="frontend")
+                           stop_group="frontend", is_dialed_by_peers=False)
             for i, port in enumerate(own_ports)]
 
 

@@ -30,7 +30,7 @@ from tandem.launcher.supervisor import Supervisor, state_path
 from tandem.model.demo import ensure_demo_model
 from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.runtime import config as config_lib
-from tandem.runtime import logs
+from tandem.runtime import logs, unix_sockets
 from tandem.runtime.children import die_with_parent
 from tandem.runtime.health_probe import wait_serving
 from tandem.runtime.router_status import RouterStatusClient
@@ -50,7 +50,8 @@ class StartupFailed(RuntimeError):
 class Topology:
     def __init__(self, specs: list[ServiceProcess], tls: TlsConfig,
                  workdir: pathlib.Path | None = None,
-                 router_names: Sequence[str] = ("router",)) -> None:
+                 router_names: Sequence[str] = ("router",),
+                 unix_socket_dir: pathlib.Path | None = None) -> None:
         self.specs = specs
         #: The router processes (each must take every worker before the topology is ready).
         self.router_names = tuple(router_names)
@@ -58,6 +59,8 @@ class Topology:
         self.tls = tls
         #: Where each child writes the line that says why it failed (its termination log).
         self.workdir = workdir
+        #: The children's Unix-domain sockets (tandem.runtime.unix_sockets); None: TCP only.
+        self.unix_socket_dir = unix_socket_dir
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _termination_log(self, name: str) -> pathlib.Path | None:
@@ -71,6 +74,12 @@ class Topology:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if (path := self._termination_log(spec.name)) is not None:
             env[TERMINATION_LOG_ENV] = str(path)
+        env.pop(unix_sockets.SOCKET_DIR_ENV, None)  # not a directory of another run's
+        if self.unix_socket_dir is not None:
+            env[unix_sockets.SOCKET_DIR_ENV] = str(self.unix_socket_dir)
+            parts = unix_sockets.split_address(spec.health_address)
+            if spec.is_dialed_by_peers and parts is not None:
+                unix_sockets.reserve(str(self.unix_socket_dir), parts[1])
         # Own session: a Ctrl-C on the terminal reaches only the launcher, which then stops
         # the children in order (frontend first) instead of all at once.
         child = self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
@@ -182,6 +191,20 @@ def _video_banner(d: Deployment, url: str) -> str:
     return (f"  curl {url}/v1/videos -H 'Content-Type: application/json' -d '{body}'\n")
 
 
+def _unix_socket_dir(d: Deployment, workdir: pathlib.Path) -> pathlib.Path | None:
+    """The children's socket directory, inside the run's private work directory (removed at
+    exit); None: they talk TCP (--no-unix-sockets, TLS, or a path too long for a socket)."""
+    if not d.unix_sockets or d.tls.enabled:
+        return None
+    path = workdir / "sockets"
+    if not unix_sockets.fits(str(path)):
+        log.warning("the work directory's path is too long for Unix sockets; using TCP",
+                    extra={"path": str(path)})
+        return None
+    path.mkdir(mode=0o700)
+    return path
+
+
 async def run(d: Deployment) -> int:
     if d.models:  # the banner names the first
         model_dir, name = d.models[0].model or str(ensure_demo_model()), d.models[0].name
@@ -191,7 +214,8 @@ async def run(d: Deployment) -> int:
         name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
     routers = [name for t in model_topologies(d) for name in t.routers]
-    topology = Topology(processes(d, workdir), d.tls, workdir, routers)
+    topology = Topology(processes(d, workdir), d.tls, workdir, routers,
+                        _unix_socket_dir(d, workdir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

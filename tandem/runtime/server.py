@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.runtime import unix_sockets
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
 from tandem.runtime.tls import TlsConfig, server_credentials
@@ -112,6 +114,8 @@ class GrpcService:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.port = self._bind(options.port)
+        #: The Unix-domain socket this server also listens on (see unix_sockets); None: none.
+        self.unix_path = self._bind_unix(self.port)
         if options.own_port:
             # The socket option is per server, so this port is bound with SO_REUSEPORT too;
             # whoever hands out own ports (the launcher) keeps them distinct.
@@ -131,6 +135,26 @@ class GrpcService:
         if bound == 0:
             raise OSError(f"cannot bind gRPC port {bind}")
         return bound
+
+    def _bind_unix(self, port: int) -> str | None:
+        """Also listens on this host's socket for `port`, when `tandem up` gave a directory and
+        the port is plaintext and this process's alone (see unix_sockets for why)."""
+        tls = self.options.tls is not None and self.options.tls.enabled
+        path = unix_sockets.server_path(self.options.host, port)
+        if path is None or tls or self.options.reuse_port:
+            return None
+        try:
+            bound = self.server.add_insecure_port(f"unix:{path}")
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            # A socket file left here would make local clients dial nothing: they use TCP.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            log.warning("cannot bind a Unix socket; local clients use TCP",
+                        extra={"path": path})
+            return None
+        return path
 
     @property
     def address(self) -> str:
@@ -157,8 +181,9 @@ class GrpcService:
         if self.serve_when_started:
             await self.set_serving(True)
         own = {"own_port": self.options.own_port} if self.options.own_port else {}
+        unix = {"unix_socket": self.unix_path} if self.unix_path else {}
         log.info("serving", extra={"address": self.address, "services": self.service_names,
-                                   **own})
+                                   **own, **unix})
 
     async def run(self) -> None:
         """Starts, waits for SIGTERM/SIGINT (or request_stop), then shuts down gracefully."""

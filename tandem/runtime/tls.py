@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidRequest
+from tandem.runtime import unix_sockets
 
 if TYPE_CHECKING:
     import grpc
@@ -87,11 +88,13 @@ def aio_channel(address: str, tls: TlsConfig | None,
                 ca_only_tls: bool = False) -> grpc.aio.Channel:
     """A channel to `address`: TLS when `tls` is enabled, plaintext otherwise. With
     `ca_only_tls`, a `tls` naming only a CA file means TLS too: a client (not a service) needs no
-    certificate of its own to verify its peer."""
+    certificate of its own to verify its peer. A plaintext channel to a local address whose
+    server has a Unix-domain socket on this host dials the socket (unix_sockets.dial_target)."""
     import grpc
     secure = tls is not None and (tls.enabled or (ca_only_tls and bool(tls.ca_file)))
     if tls is None or not secure:
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(unix_sockets.dial_target(address),
+                                         options=list(options))
     opts = list(options)
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
