@@ -123,25 +123,24 @@ async def test_no_socket_without_a_directory(monkeypatch: pytest.MonkeyPatch) ->
         await service.shutdown()
 
 
-async def test_no_socket_for_a_shared_port(socket_dir: str) -> None:
-    """SO_REUSEPORT: several processes on the port, one path could belong to one of them."""
-    service = GrpcService(ServerOptions(port=0, grace_s=0.1, reuse_port=True), service_names=[])
-    try:
-        assert service.unix_path is None
-        assert os.listdir(socket_dir) == []
-    finally:
-        await service.server.stop(0)
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-async def test_no_socket_under_tls(socket_dir: str, tmp_path: pathlib.Path) -> None:
-    """TLS verifies the peer; the socket would skip that."""
+def self_signed(tmp_path: pathlib.Path) -> TlsConfig:
     cert, key = tmp_path / "c.pem", tmp_path / "c.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
                     "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=t"], check=True, capture_output=True)
-    tls = TlsConfig(str(cert), str(key), str(cert))
-    service = GrpcService(ServerOptions(port=0, grace_s=0.1, tls=tls), service_names=[])
+    return TlsConfig(str(cert), str(key), str(cert))
+
+
+@pytest.mark.parametrize("kind", ["reuse_port", "tls"])
+async def test_no_socket_for_a_shared_port_or_under_tls(kind: str, socket_dir: str,
+                                                        tmp_path: pathlib.Path) -> None:
+    """SO_REUSEPORT: several processes share the port, and one path could belong to one of
+    them. TLS verifies the peer, which the socket would skip."""
+    if kind == "tls" and shutil.which("openssl") is None:
+        pytest.skip("needs openssl")
+    options = (ServerOptions(port=0, grace_s=0.1, reuse_port=True) if kind == "reuse_port" else
+               ServerOptions(port=0, grace_s=0.1, tls=self_signed(tmp_path)))
+    service = GrpcService(options, service_names=[])
     try:
         assert service.unix_path is None
         assert os.listdir(socket_dir) == []
