@@ -1,18 +1,22 @@
 """Overlap scheduling in the reference engine (tandem.engines.batching.ahead): decode steps
 launched ahead of the previous step's tokens give exactly what steps computed in full give (the
 same tokens, logprobs, finish reasons and cached blocks), whatever finishes, stops or is aborted
-while a step runs ahead; requests that need their history on the host never run ahead."""
+while a step runs ahead, guided or not; requests that need their history on the host never
+run ahead."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import random
 
+import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.reference.engine import ReferenceEngine, create_reference_engine
-from tandem.engines.types import EngineRequest, SamplingParams
+from tandem.engines.types import EngineRequest, GuidedDecoding, GuidedKind, SamplingParams
 from tandem.kv.hashing import hash_block
 from tandem.model.tiny import write_tiny_model
 
@@ -132,6 +136,39 @@ def block_hashes(sequences: list[tuple[int, ...]], block_size: int) -> set[int]:
             parent = hash_block(parent, list(tokens[start:start + block_size]), ())
             out.add(parent)
     return out
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3}},
+    "required": ["name", "tags"]}
+
+
+async def test_guided_requests_run_ahead_and_keep_their_grammar(
+        model_dir: pathlib.Path) -> None:
+    """The step ahead takes the previous step's tokens into the grammars itself: every output
+    is the same as with full steps, and valid."""
+    guided = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    outcomes = {}
+    for overlap in (False, True):
+        engine = engine_for(model_dir, overlap)
+        await engine.start()
+        try:
+            batch = [EngineRequest(f"g{i}", prompt(engine.vocab_size, 4 + i, i), SamplingParams(
+                max_tokens=120, temperature=0.8, seed=i, guided=guided if i % 3 else None))
+                for i in range(6)]
+            outcomes[overlap] = await asyncio.gather(*(collect(engine, r) for r in batch))
+            assert (engine.num_steps_ahead > 10) == overlap
+            assert engine.pool.num_used == 0
+        finally:
+            await engine.close()
+    assert outcomes[True] == outcomes[False]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for i, (tokens, _, reason, _) in enumerate(outcomes[True]):
+        if i % 3:
+            assert reason == "stop"
+            jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)),
+                                SCHEMA)
 
 
 async def test_penalized_and_prefill_only_requests_never_run_ahead(

@@ -9,12 +9,16 @@ as its last token: the scheduler sees one token to compute, as usual, and never 
 holding a placeholder. The engine runs ahead only where nothing needs the host's view of the
 tokens first:
 
-- every scheduled request decodes one token and samples, and none is guided (the grammar's mask
-  needs the previous token), penalized (the penalties read the token history), or a prefill
-  worker's (its blocks are leased once its first token is known);
+- every scheduled request decodes one token and samples, and none is penalized (the penalties
+  read the token history) or a prefill worker's (its blocks are leased once its first token is
+  known);
 - nothing waits or is loaded (admitting needs the tokens' blocks settled), no request must be
   preempted for its next block, and no copy to or from the host tier is queued;
 - no debug hook is armed to pause the loop.
+
+A guided request's grammar mask needs its previous token on the host: the step ahead computes
+its logits, then waits for the previous step's tokens, takes them into the grammars (`taken`)
+and fills the mask while the device computes, then samples.
 
 A request that the settled step finishes has one more row computed in the step ahead; its
 result is dropped. That row writes the KV of a position nobody will read, in a block freed
@@ -43,6 +47,9 @@ class StepAhead(ABC):
     def __init__(self, reqs: list[BatchRequest]) -> None:
         #: The requests that sample in it, in row order.
         self.reqs = reqs
+        #: Whether the step launched after it took its tokens into their requests' grammars
+        #: (then settling it must not take them again).
+        self.taken = False
 
     @abstractmethod
     async def sampled(self) -> list[Sampled]:
@@ -59,7 +66,7 @@ class StepAhead(ABC):
 def runs_ahead(req: BatchRequest) -> bool:
     """Whether a request's steps may launch before its previous token reaches the host."""
     p = req.sampling
-    return (req.guide is None and req.lease_ms is None and p.repetition_penalty == 1.0
+    return (req.lease_ms is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 

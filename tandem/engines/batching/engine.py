@@ -399,6 +399,7 @@ class BatchingEngine(Engine):
                                                             if not r.is_finished]))):
             launched = self._launch(plan, ahead)
         if ahead is not None:
+            ahead.taken = launched is not None
             await self._settle()
             if launched is None and any(r.is_finished for r, _ in plan.scheduled):
                 plan.scheduled = [(r, n) for r, n in plan.scheduled if not r.is_finished]
@@ -424,7 +425,7 @@ class BatchingEngine(Engine):
                 continue
             req.token_ids.pop()  # the placeholder
             req.num_pending = 0
-            finished_any |= self._emit(req, token, logprob, sampled=True)
+            finished_any |= self._emit(req, token, logprob, sampled=True, taken=ahead.taken)
         if finished_any:
             self.scheduler.compact()
 
@@ -444,16 +445,20 @@ class BatchingEngine(Engine):
             self.scheduler.compact()
 
     def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None,
-              sampled: bool = False) -> bool:
+              sampled: bool = False, taken: bool = False) -> bool:
         """Appends one output token; True when it finished the request.
 
         A guided request's token first advances its grammar: one the grammar forbids (only a
         prefill worker's first token can be one: the engine masks what it samples) fails the
         request; one that completes the grammar (its stop token) finishes it, STOP. A token
         this engine `sampled` under the grammar's mask is taken by the grammar later, with the
-        next step's mask, off the event loop (Guide.defer)."""
+        next step's mask, off the event loop (Guide.defer), unless the step launched ahead of
+        it has `taken` it already: its thread may still be moving the grammar, so only what the
+        token itself says is read then (a stop token ends the grammar; only one does)."""
         guide = req.guide
-        if guide is not None and not (guide.defer(token) if sampled else guide.accept(token)):
+        if guide is not None and not (guide.rejected is None if taken
+                                      else guide.defer(token) if sampled
+                                      else guide.accept(token)):
             self._fail(req, FailedPrecondition(
                 f"token {token} at output position {req.num_output} breaks the request's "
                 f"{req.sampling.guided.kind.value if req.sampling.guided else ''} constraint",
@@ -463,7 +468,8 @@ class BatchingEngine(Engine):
         req.num_output += 1
         req.stream.push(token, logprob if req.sampling.top_logprobs is not None else None)
         if ((token in req.stop_ids and req.num_output >= req.min_tokens)
-                or (guide is not None and guide.is_terminated)):
+                or (guide is not None and (token in guide.stop_ids if taken
+                                           else guide.is_terminated))):
             self._finish(req, FinishReason.STOP)
             return True
         if req.num_output >= req.sampling.max_tokens:

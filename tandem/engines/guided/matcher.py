@@ -227,7 +227,7 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tenso
     rows = [row for row, guide in enumerate(guides) if guide is not None]
     if not rows:
         return None
-    _flush([guides[row] for row in rows])  # type: ignore[misc]
+    flush_guides([guides[row] for row in rows])  # type: ignore[misc]
     width = bitmask_words(vocab_size)
     bitmask = torch.full((len(guides), width), -1, dtype=torch.int32)
     by_words: dict[int, list[int]] = {}
@@ -250,7 +250,7 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tenso
     return bitmask
 
 
-def _flush(guides: list[Guide]) -> None:
+def flush_guides(guides: list[Guide]) -> None:
     """Advances each guide over its deferred tokens: one call into xgrammar for those with one."""
     ones = [g for g in guides if len(g.pending) == 1 and g.rejected is None]
     if len(ones) > 1:
