@@ -204,8 +204,8 @@ class ReferenceEngine(BatchingEngine):
             return None
         inputs = build_step_inputs(plan, self.pool.block_size, self.device,
                                    self.graphs.width_bucket if self.graphs else None)
-        if inputs.decode_rows is None:
-            return None
+        if inputs.decode_rows is None or inputs.prompt_spans or inputs.mm_spans:
+            return None  # a last prompt token with an image or prompt logprobs: in full
         return self.overlap.launch(plan.ready, inputs, _sample_inputs(plan), after)
 
     def _decode_logits(self, inputs: StepInputs) -> torch.Tensor:
