@@ -142,6 +142,11 @@ class BatchingEngine(Engine):
             self._transfer = self._create_transfer()
         return self._transfer
 
+    def _require_transfer(self) -> None:
+        """Raises FailedPrecondition unless this engine can move KV between workers (creating
+        its transfer on first use)."""
+        self._transfer = self.transfer
+
     @abstractmethod
     async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
         """Copies evicted device blocks to their host slots, then host slots into their new
@@ -190,7 +195,7 @@ class BatchingEngine(Engine):
         check_prompt_and_sampling(request, self.vocab_size, self._max_model_len, self.pool)
         if request.kv_handle is not None:
             check_kv_handle(request, self._layout, self.accepted_backends, self.name, self.pool)
-            self.transfer  # noqa: B018  (a backend that cannot move KV refuses here, not later)
+            self._require_transfer()  # a backend that cannot move KV refuses here, not later
 
     def _new_guide(self, request: EngineRequest) -> Guide | None:
         """The request's grammar guide (None when unconstrained). Compiling happens here, on the
@@ -215,7 +220,7 @@ class BatchingEngine(Engine):
         if lease_ms < 1:
             raise InvalidRequest(f"lease_ms must be at least 1, got {lease_ms}",
                                  param="lease_ms")
-        self.transfer  # noqa: B018  (refuse before computing anything)
+        self._require_transfer()  # refuse before computing anything
         stream = self._admit(request, lease_ms)
         first: TokenLogprob | None = None
         cached, finish = 0, None
@@ -245,7 +250,7 @@ class BatchingEngine(Engine):
         return self.leases.release(request_id)
 
     def prepare_kv_transfer(self) -> None:
-        self.transfer  # noqa: B018
+        self._require_transfer()
 
     def set_lease_releaser(self, releaser: Callable[[KvHandle], None]) -> None:
         self.loads.release_remote = releaser
@@ -327,67 +332,74 @@ class BatchingEngine(Engine):
     # ---- the step loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Steps while there is work; every wait of the loop is here."""
+        plan: StepPlan | None = None
         try:
             while not self._closed:
                 if self._ahead is not None and (not self.scheduler.has_work
                                                 or self._gate.is_armed):
-                    await self._settle()
-                    continue
-                if not self.scheduler.has_work:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    self.woke_at = time.monotonic()
-                    continue
-                await self._gate.wait()
-                if self._closed:
-                    break
-                await self._step()
+                    await self._settle()  # nothing to run ahead of, or a hook may pause
+                elif not self.scheduler.has_work:
+                    await self._wait_for_wakeup()
+                else:
+                    await self._gate.wait()
+                    if self._closed:
+                        break
+                    plan = await self._step()
+                    if plan is None:
+                        await self._wait_for_peers()
             if self._ahead is not None:  # its device work ends before close() returns
                 await self._settle()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: fail every stream loudly instead of hanging them
-            log.exception("%s engine step loop failed", self.name)
+            log.exception("%s engine step loop failed at step %d (last plan: %s)", self.name,
+                          self.num_steps, plan.describe() if plan is not None else "none")
             self._failure = exc
             for req in list(self._requests.values()):
                 req.stream.fail(exc)
             self._requests.clear()
 
-    async def _step(self) -> None:
+    async def _step(self) -> StepPlan | None:
+        """schedule -> copies -> loads -> execute -> apply -> publish (a plain decode step is
+        launched ahead instead, and applied when the next step settles it). Returns the plan,
+        or None when nothing could run: blocks held outside the batch must come back first."""
         ahead = self._ahead
         if ahead is not None and not may_schedule_ahead(self.scheduler, ahead):
             await self._settle()
             ahead = None
         plan = self.scheduler.schedule()
         self.num_steps += 1
-        if await self._run_ahead(plan, ahead):
-            self._publish(self.pool.take_events())
-            self._gate.after_step()
-            return
-        if not (plan.scheduled or plan.first_tokens or plan.num_preempted or plan.loads
-                or self.scheduler.running):
-            if self.leases or self.loads:
-                # Blocks held outside the batch come back by a release, an expiry or the end
-                # of a read; each wakes the loop.
-                self._wakeup.clear()
-                self._is_blocked_on_peers = True
-                try:
-                    await self._wakeup.wait()
-                    self.woke_at = time.monotonic()
-                finally:
-                    self._is_blocked_on_peers = False
-                return
+        if not await self._run_ahead(plan, ahead):
+            if not (plan.scheduled or plan.first_tokens or plan.num_preempted or plan.loads
+                    or self.scheduler.running):
+                return None
+            if self.pool.host is not None:  # before anything writes the step's blocks
+                await self.host_copies.run(plan)
+            for req in plan.loads:
+                self.loads.start(req)
+            self._apply(plan, await self._execute(plan))
+        self._publish(self.pool.take_events())
+        self._gate.after_step()
+        return plan
+
+    async def _wait_for_wakeup(self) -> None:
+        self._wakeup.clear()
+        await self._wakeup.wait()
+        self.woke_at = time.monotonic()
+
+    async def _wait_for_peers(self) -> None:
+        """Waits for blocks held outside the batch (leases, KV reads): a release, an expiry or
+        the end of a read wakes the loop."""
+        if not (self.leases or self.loads):
             # Admission validates that any request fits an empty pool, so this is a bug; fail
             # loudly rather than spin.
             raise RuntimeError(f"the {self.name} scheduler made no progress with an idle batch")
-        if self.pool.host is not None:  # before anything writes the step's blocks
-            await self.host_copies.run(plan)
-        for req in plan.loads:
-            self.loads.start(req)
-        sampled = await self._execute(plan)
-        self._apply(plan, sampled)
-        self._publish(self.pool.take_events())
-        self._gate.after_step()
+        self._is_blocked_on_peers = True
+        try:
+            await self._wait_for_wakeup()
+        finally:
+            self._is_blocked_on_peers = False
 
     async def _run_ahead(self, plan: StepPlan, ahead: StepAhead | None) -> bool:
         """Launches `plan` ahead of its tokens where it can (then True); `ahead`, the step

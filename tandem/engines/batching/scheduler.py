@@ -36,6 +36,13 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    def describe(self) -> str:
+        """One line for logs: what the step holds."""
+        return (f"{len(self.scheduled)} scheduled ({self.num_tokens} tokens, "
+                f"{self.prefill_tokens} prefill), {len(self.ready)} sampling, "
+                f"{len(self.first_tokens)} first tokens, {len(self.loads)} loads, "
+                f"{self.num_admitted} admitted, {self.num_preempted} preempted")
+
 
 class Scheduler:
     """Waiting and running queues over one BlockPool; `schedule` decides and allocates, the
