@@ -468,9 +468,7 @@ class BatchingEngine(Engine):
         it has `taken` it already: its thread may still be moving the grammar, so only what the
         token itself says is read then (a stop token ends the grammar; only one does)."""
         guide = req.guide
-        if guide is not None and not (guide.rejected is None if taken
-                                      else guide.defer(token) if sampled
-                                      else guide.accept(token)):
+        if guide is not None and not _grammar_takes(guide, token, sampled, taken):
             self._fail(req, FailedPrecondition(
                 f"token {token} at output position {req.num_output} breaks the request's "
                 f"{req.sampling.guided.kind.value if req.sampling.guided else ''} constraint",
@@ -539,3 +537,12 @@ class BatchingEngine(Engine):
             kv_transfers_failed=loads.num_failed,
             **self.host_copies.stats_fields(),  # type: ignore[arg-type]
         )
+
+
+def _grammar_takes(guide: Guide, token: int, sampled: bool, taken: bool) -> bool:
+    """Whether `guide`'s grammar allows `token`, moving it over the token: already done by the
+    step launched ahead (`taken`), later for a token sampled under its mask (`sampled`), now
+    otherwise."""
+    if taken:
+        return guide.rejected is None
+    return guide.defer(token) if sampled else guide.accept(token)

@@ -210,16 +210,25 @@ class ReferenceEngine(BatchingEngine):
 
     def _decode_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of a decode-only step's sampled rows: through its CUDA graph where one
-        serves it (the graph's output buffer: read before the next step), else eagerly."""
-        rows = inputs.decode_rows
-        assert rows is not None
-        shape = (self.graphs.buckets(*inputs.meta.block_tables.shape)
-                 if self.graphs is not None and not inputs.mm_spans else None)
-        if shape is not None and self.graphs is not None:
-            logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
-            return logits.index_select(0, inputs.sample_rows)
+        serves it, else eagerly."""
+        logits = self._graph_logits(inputs)
+        if logits is not None:
+            return logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def _graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits of the sampled rows of a decode-only step (one new token per sequence, but a
+        one-token prompt chunk may not sample yet) through its CUDA graph; None where no graph
+        serves the step."""
+        rows = inputs.decode_rows
+        if self.graphs is None or rows is None or inputs.prompt_spans or inputs.mm_spans:
+            return None
+        shape = self.graphs.buckets(*inputs.meta.block_tables.shape)
+        if shape is None:
+            return None
+        logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
+        return logits.index_select(0, inputs.sample_rows)
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
@@ -228,17 +237,10 @@ class ReferenceEngine(BatchingEngine):
                             ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
         """Runs in a worker thread: touches tensors only, never request state (guides are only
         read, to fill the step's grammar bitmask while the device computes the logits)."""
-        shape = None
-        rows = inputs.decode_rows
-        if (self.graphs is not None and rows is not None and not inputs.prompt_spans
-                and not inputs.mm_spans):
-            shape = self.graphs.buckets(*inputs.meta.block_tables.shape)
-        if shape is not None and self.graphs is not None and rows is not None:
-            logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
+        logits = self._graph_logits(inputs)
+        if logits is not None:
             if not samples:
                 return [], []
-            # One new token per sequence, but a one-token prompt chunk may not sample yet.
-            logits = logits.index_select(0, inputs.sample_rows)
             self._constrain(logits, guides)
             sampled = [(o.token_id, o.logprob) for o in self.sampler.sample(logits, samples)]
             return sampled, []
