@@ -109,7 +109,8 @@ def padded_vocab() -> None:
     import xgrammar
 
     matcher.grammar_vocab_size = lambda tokenizer, vocab_size, stop_ids: vocab_size
-    matcher._batch_matcher = xgrammar.BatchGrammarMatcher()
+    pooled = xgrammar.BatchGrammarMatcher()
+    matcher._batch_matcher = lambda: pooled
     accept = matcher.Guide.accept
     matcher.Guide.defer = lambda guide, token_id: accept(guide, token_id)  # type: ignore
 
@@ -175,6 +176,11 @@ async def main_async(args: argparse.Namespace) -> None:
     await engine.start()
     host = HostTimes()
     host.install()
+    phases = None
+    if args.phases:
+        from benchmarks.step_phases import StepPhases
+        phases = StepPhases(engine)
+        phases.install()
     rows: dict[tuple[int, bool], list[dict]] = {}
     try:
         await one_round(engine, 4, 8, True, "warm-g")  # load the tokenizer and compile once
@@ -185,9 +191,13 @@ async def main_async(args: argparse.Namespace) -> None:
             for streams in args.streams:
                 for guided in (False, True):
                     host.reset()
+                    if phases is not None:
+                        phases.reset()
                     row = await one_round(engine, streams, args.max_tokens, guided,
                                           f"r{r}-{streams}-{guided}")
                     row.update(host.summary())
+                    if phases is not None:
+                        row["phases"] = phases.summary()
                     rows.setdefault((streams, guided), []).append(row)
         cold, cached = compile_times(model, engine.vocab_size, engine._eos_ids)
     finally:
@@ -211,7 +221,25 @@ async def main_async(args: argparse.Namespace) -> None:
               f"{med(r['tokens/request'] for r in schema):.0f} | "
               f"{med(r.get('fill_ms', 0.0) for r in schema):.2f} | "
               f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
+    if phases is not None:
+        print_phases(args.streams, rows)
     print(f"\ngrammar compile (this schema): cold {1000 * cold:.1f} ms, cached {1000 * cached:.3f} ms")
+
+
+def print_phases(streams: list[int], rows: dict[tuple[int, bool], list[dict]]) -> None:
+    """benchmarks/step_phases.py's table: per stream count and mode, the median over rounds of
+    each round's median ms per step."""
+    from benchmarks.step_phases import table
+
+    out = []
+    for n in streams:
+        for guided in (False, True):
+            summaries = [r["phases"] for r in rows[(n, guided)]]
+            keys = {k for s in summaries for k in s}
+            out.append((f"{n} {'schema' if guided else 'free'}",
+                        {k: statistics.median(s[k] for s in summaries if k in s) for k in keys}))
+    print("\nphases of the steps launched ahead, ms per step (benchmarks/step_phases.py)\n")
+    print(table(out))
 
 
 def synthetic_grammars(model: str, vocab_size: int) -> Grammars:
@@ -276,6 +304,7 @@ def mask_costs(args: argparse.Namespace) -> None:
                 Grammars.from_model_dir(model, vocab_size, [1]))[1]),
             ("synthetic 128k text vocabulary", lambda: synthetic_grammars(model, vocab_size))]
         threads = sorted({1, matcher.fill_threads()})
+        own_batch_matcher = matcher._batch_matcher
         print(f"\ngrammar host work per step (median of up to {args.max_tokens} steps), "
               f"JSON schema, random allowed tokens\n")
         print("| vocabulary | rows | fill threads | mask fill ms/step | accepts ms/step | "
@@ -285,11 +314,12 @@ def mask_costs(args: argparse.Namespace) -> None:
             grammars = make()
             for rows in args.streams:
                 for n in threads:
-                    matcher._batch_matcher = xgrammar.BatchGrammarMatcher(n)
+                    batch = xgrammar.BatchGrammarMatcher(n)
+                    matcher._batch_matcher = lambda batch=batch: batch
                     fill, accept = walk(grammars, vocab_size, rows, args.max_tokens)
                     print(f"| {name} | {rows} | {n} | {fill:.2f} | {accept:.2f} | "
                           f"{1000 * fill / rows:.0f} | {1000 * accept / rows:.1f} |")
-        matcher._batch_matcher = None
+        matcher._batch_matcher = own_batch_matcher
 
 
 def main() -> None:
@@ -304,6 +334,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--padded-vocab", action="store_true",
                         help="xgrammar on the model's whole vocabulary, as before issue 25")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each phase of the steps launched ahead (benchmarks/step_phases.py)")
     parser.add_argument("--mask-costs", action="store_true",
                         help="time the grammar's host work alone (no engine) and exit")
     args = parser.parse_args()

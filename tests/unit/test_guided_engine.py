@@ -386,3 +386,41 @@ async def test_guided_decoding_can_be_turned_off(model_dir: pathlib.Path) -> Non
         engine.add_request(request("x", [5], GuidedDecoding(GuidedKind.JSON_OBJECT), 0))
     with pytest.raises(InvalidRequest):
         mock(model_dir, guided_decoding_backend="llguidance")
+
+
+def test_a_fill_split_into_chunks_is_the_serial_fill(model_dir: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch's accepts and fills may run in chunks on threads of their own (fill_chunks): the
+    # masks are those of the serial fill bit for bit, unguided rows allow every token, and a
+    # row whose grammar refused its deferred token or ended allows every token too.
+    import random
+
+    from tandem.engines.guided import matcher
+
+    grammars = Grammars.from_model_dir(model_dir, 5000, [1, 3])
+    rng = random.Random(1)
+    guided = schema(SCHEMAS[1])
+    chunked = [grammars.guide(guided, []) for _ in range(7)]
+    serial = [grammars.guide(guided, []) for _ in range(7)]
+    for _ in range(40):
+        live = [i for i in range(7) if not serial[i].is_terminated]
+        if len(live) < 4:
+            break
+        monkeypatch.setenv(matcher.FILL_CHUNKS_ENV, "3")
+        got = fill_bitmask([None] + [chunked[i] for i in live], 5000,
+                           out=torch.zeros((9, 157), dtype=torch.int32))
+        monkeypatch.setenv(matcher.FILL_CHUNKS_ENV, "1")
+        expected = fill_bitmask([None] + [serial[i] for i in live], 5000)
+        assert got is not None and expected is not None and got.shape == expected.shape
+        assert torch.equal(bits(got, 5000), bits(expected, 5000))
+        assert bits(got, 5000)[0].all()
+        for row, i in enumerate(live, start=1):
+            token = rng.choice(allowed_ids(expected, row, 5000))
+            assert serial[i].accept(token) and chunked[i].defer(token)
+    refused = grammars.guide(guided, [])
+    assert refused.defer(grammars.decoded_vocab.index(b"x"))  # not a JSON object's start
+    monkeypatch.setenv(matcher.FILL_CHUNKS_ENV, "2")
+    others = [grammars.guide(guided, []) for _ in range(4)]
+    mask = fill_bitmask([refused, *others], 5000)
+    assert mask is not None and refused.rejected is not None
+    assert bits(mask, 5000)[0].all() and not bits(mask, 5000)[1].all()

@@ -56,6 +56,14 @@ class StepAhead(ABC):
         """Its tokens, one per request in `reqs`, once the device has them. Raises what the
         step raised."""
 
+    async def host_done(self) -> None:
+        """Returns once the launch no longer needs the host. A guided step's launch takes the
+        previous step's tokens into the grammars and fills its mask while the device computes
+        the step; the loop waits for that before it schedules and builds the next step,
+        whose Python would otherwise compete with the grammars' for the interpreter while the
+        device waits for the mask."""
+        return None
+
     def alive_rows(self) -> list[int] | None:
         """Rows of `reqs` still running (not finished or aborted since the launch); None when
         all of them are."""

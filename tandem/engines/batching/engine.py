@@ -365,9 +365,11 @@ class BatchingEngine(Engine):
         launched ahead instead, and applied when the next step settles it). Returns the plan,
         or None when nothing could run: blocks held outside the batch must come back first."""
         ahead = self._ahead
-        if ahead is not None and not may_schedule_ahead(self.scheduler, ahead):
-            await self._settle()
-            ahead = None
+        if ahead is not None:
+            await ahead.host_done()
+            if not may_schedule_ahead(self.scheduler, ahead):
+                await self._settle()
+                ahead = None
         plan = self.scheduler.schedule()
         self.num_steps += 1
         if not await self._run_ahead(plan, ahead):

@@ -23,9 +23,11 @@ their bits 0 itself, so the mask is the same bit for bit.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pathlib
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -43,6 +45,9 @@ GRAMMAR_CACHE_SIZE = 256
 _PARAM = "sampling.guided_decoding"
 #: Threads of xgrammar's batch mask fill; 0 (the default): half the cores this process may use.
 FILL_THREADS_ENV = "TANDEM_GUIDED_FILL_THREADS"
+#: Chunks of a batch's accepts and mask fill run in parallel (see fill_chunks).
+FILL_CHUNKS_ENV = "TANDEM_GUIDED_FILL_CHUNKS"
+_CHUNK_THREAD = "tandem-grammar"
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -220,16 +225,51 @@ class Grammars:
         return guide
 
 
-def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tensor | None:
+def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
     """One CPU int32 bitmask for a batch: row i allows what guides[i] allows next, every token
     where guides[i] is None. None when no row is guided. The guides first take the tokens
-    deferred to them (`Guide.defer`)."""
+    deferred to them (`Guide.defer`); a row whose grammar then ended (complete, or refused a
+    deferred token) allows every token: its request finishes with that token. `out`: a
+    buffer to fill (at least len(guides) rows of the bitmask's width, pinned memory for a
+    copy to the GPU that does not wait); the bitmask is then its first rows."""
     rows = [row for row, guide in enumerate(guides) if guide is not None]
     if not rows:
         return None
-    flush_guides([guides[row] for row in rows])  # type: ignore[misc]
     width = bitmask_words(vocab_size)
-    bitmask = torch.full((len(guides), width), -1, dtype=torch.int32)
+    if out is None:
+        bitmask = torch.empty((len(guides), width), dtype=torch.int32)
+    else:
+        bitmask = out[:len(guides)]
+    if len(rows) < len(guides):
+        bitmask.fill_(-1)
+    chunks = fill_chunks()
+    if chunks > 1 and len(rows) >= 2 * chunks:
+        per = -(-len(rows) // chunks)
+        parts = [rows[i:i + per] for i in range(0, len(rows), per)]
+        inference = torch.is_inference_mode_enabled()  # the chunks' threads write as we do
+
+        def chunk(part: list[int]) -> None:
+            with torch.inference_mode(inference):
+                _flush_and_fill(guides, part, bitmask)
+
+        list(_chunk_pool(chunks).map(chunk, parts))
+    else:
+        _flush_and_fill(guides, rows, bitmask)
+    return bitmask
+
+
+def _flush_and_fill(guides: Sequence[Guide | None], rows: list[int],
+                    bitmask: torch.Tensor) -> None:
+    """The guides of `rows` take their deferred tokens, then fill their rows of `bitmask`."""
+    flush_guides([guides[row] for row in rows])  # type: ignore[misc]
+    ended = [row for row in rows
+             if guides[row].rejected is not None or guides[row].is_terminated]  # type: ignore[union-attr]
+    if ended:
+        bitmask[ended] = -1
+        done = set(ended)
+        rows = [row for row in rows if row not in done]
+    width = bitmask.shape[-1]
     by_words: dict[int, list[int]] = {}
     for row in rows:
         by_words.setdefault(guides[row].words or width, []).append(row)  # type: ignore[union-attr]
@@ -247,7 +287,6 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tenso
             index = torch.tensor(group)
             bitmask[index, :words] = part[index]
             bitmask[index, words:] = 0
-    return bitmask
 
 
 def flush_guides(guides: list[Guide]) -> None:
@@ -268,16 +307,12 @@ def flush_guides(guides: list[Guide]) -> None:
 
 def _fill_rows(guides: Sequence[Guide | None], rows: list[int], bitmask: torch.Tensor) -> None:
     """Fills `bitmask[row]` from guides[row] for each row (as wide as those guides' masks);
-    several rows in one call into xgrammar, on its thread pool (GIL released)."""
+    several rows in one call into xgrammar (GIL released): on its thread pool, or on one
+    thread inside a chunk of a parallel fill (`fill_chunks`)."""
     if len(rows) == 1:
         guides[rows[0]].matcher.fill_next_token_bitmask(bitmask, rows[0])  # type: ignore[union-attr]
         return
-    global _batch_matcher
-    if _batch_matcher is None:
-        import xgrammar
-
-        _batch_matcher = xgrammar.BatchGrammarMatcher(fill_threads())
-    _batch_matcher.batch_fill_next_token_bitmask(
+    _batch_matcher().batch_fill_next_token_bitmask(
         [guides[row].matcher for row in rows], bitmask, rows)  # type: ignore[union-attr]
 
 
@@ -286,17 +321,51 @@ def fill_threads() -> int:
     process may run on (xgrammar's own default halves the host's, which a container may not
     have)."""
     configured = int(os.environ.get(FILL_THREADS_ENV, "0") or 0)
-    if configured > 0:
-        return configured
+    return configured if configured > 0 else max(1, _cores() // 2)
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+        return os.cpu_count() or 1
 
 
-#: xgrammar's batch filler (its thread pool), made on first use.
-_batch_matcher: Any = None
+def fill_chunks() -> int:
+    """Chunks a batch's accepts and fills split into, each on a thread of its own with
+    one-thread xgrammar calls: TANDEM_GUIDED_FILL_CHUNKS, else one per 4 cores this process
+    may run on, at most 4. One chunk: xgrammar's serial batch accept, then its pooled batch
+    fill. On the H100 host's 16 cores, 64 rows per step: 4 chunks cost the steps' thread
+    5.6 ms against 7.8 ms for one and 5.3 ms for 8 (benchmarks/guided_decoding.py --phases,
+    issue 25)."""
+    configured = int(os.environ.get(FILL_CHUNKS_ENV, "0") or 0)
+    return configured if configured > 0 else max(1, min(4, _cores() // 4))
+
+
+_local = threading.local()
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _batch_matcher() -> Any:
+    """xgrammar's batch filler for this thread: its thread pool on the thread that fills a
+    whole batch, one thread inside a chunk's thread."""
+    matcher = getattr(_local, "batch_matcher", None)
+    if matcher is None:
+        import xgrammar
+
+        chunked = threading.current_thread().name.startswith(_CHUNK_THREAD)
+        matcher = _local.batch_matcher = xgrammar.BatchGrammarMatcher(
+            1 if chunked else fill_threads())
+    return matcher
+
+
+def _chunk_pool(chunks: int) -> concurrent.futures.ThreadPoolExecutor:
+    pool = _pools.get(chunks)
+    if pool is None:
+        pool = _pools[chunks] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=chunks, thread_name_prefix=_CHUNK_THREAD)
+    return pool
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from tandem.engines.batching.ahead import Sampled, StepAhead
 from tandem.engines.batching.request import BatchRequest
-from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask, flush_guides
+from tandem.engines.guided.matcher import Guide, apply_bitmask, bitmask_words, fill_bitmask
 from tandem.engines.reference.sampler import Draws, SampleInput, Sampler
 from tandem.engines.reference.step_inputs import StepInputs
 
@@ -33,9 +33,13 @@ DecodeLogits = Callable[[StepInputs], torch.Tensor]
 class LaunchedStep(StepAhead):
     """One launched step: what its launch left on the device, read back by `sampled`."""
 
-    def __init__(self, reqs: list[BatchRequest], steps: OverlapSteps) -> None:
+    def __init__(self, reqs: list[BatchRequest], steps: OverlapSteps, guided: bool) -> None:
         super().__init__(reqs)
         self._steps = steps
+        #: A guided launch's end, resolved on the loop (`host_done`); None when not guided.
+        self._loop = asyncio.get_running_loop()
+        self._ended: asyncio.Future[None] | None = (
+            self._loop.create_future() if guided else None)
         #: Set on the steps' thread by the launch: the draws (tokens still on the device), their
         #: values' copy on the host (complete once `event` is), or what the launch raised.
         self.draws: Draws | None = None
@@ -44,6 +48,16 @@ class LaunchedStep(StepAhead):
         self.error: BaseException | None = None
         #: Set when the launch ended (so are the fields above).
         self.launched = threading.Event()
+
+    async def host_done(self) -> None:
+        if self._ended is not None:
+            await self._ended
+
+    def end_launch(self) -> None:
+        """On the steps' thread, when the launch ended (its fields are set)."""
+        self.launched.set()
+        if self._ended is not None:
+            self._loop.call_soon_threadsafe(_resolve, self._ended)
 
     async def sampled(self) -> list[Sampled]:
         loop = asyncio.get_running_loop()
@@ -70,15 +84,18 @@ class OverlapSteps:
             max_workers=1, thread_name_prefix="tandem-steps")
         self.collector = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tandem-collect")
+        #: Pinned host memory of guided steps' bitmasks, and the event after its last copy.
+        self._mask_host: torch.Tensor | None = None
+        self._mask_copied: torch.cuda.Event | None = None
 
     def launch(self, reqs: list[BatchRequest], inputs: StepInputs, samples: list[SampleInput],
                after: StepAhead | None) -> LaunchedStep:
         """Queues a plain decode step; `after`: the step before it (a LaunchedStep), whose
         alive rows' tokens are this step's input ids, in order."""
-        step = LaunchedStep(reqs, self)
+        guides = [r.guide for r in reqs]
+        step = LaunchedStep(reqs, self, any(guides))
         previous = after if isinstance(after, LaunchedStep) else None
         rows = after.alive_rows() if after is not None else None
-        guides = [r.guide for r in reqs]
         self.executor.submit(self._launch, step, inputs, samples,
                              guides if any(guides) else None, previous, rows)
         return step
@@ -101,9 +118,12 @@ class OverlapSteps:
                 # The ids row of the inputs (also decode_rows[0]): the placeholders' tokens.
                 inputs.input_ids.copy_(tokens)
             logits = self.decode_logits(inputs)
+            noise = None
             if guides is not None:
-                _constrain(logits, guides, previous, rows)
-            draws = self.sampler.launch(logits, samples)
+                # Everything the mask does not change is queued before the host waits for it.
+                noise = self.sampler.noise(logits, samples)
+                self._constrain(logits, guides, previous, rows)
+            draws = self.sampler.launch(logits, samples, noise)
             if draws.values.is_cuda:
                 step.host = draws.values.to("cpu", non_blocking=True)
                 step.event = torch.cuda.Event()
@@ -114,30 +134,50 @@ class OverlapSteps:
         except BaseException as exc:  # raised to the loop by `sampled`
             step.error = exc
         finally:
-            step.launched.set()
+            step.end_launch()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
         self.collector.shutdown(wait=True)
 
 
-def _constrain(logits: torch.Tensor, guides: list[Guide | None], previous: LaunchedStep | None,
-               rows: list[int] | None) -> None:
-    """Masks what each guided row's grammar forbids next. The grammars first take the previous
-    step's tokens (that step's `taken`), which are on the host once its event is: row i of
-    this step is row rows[i] (or i) of that one. Rows whose grammar ended or refused that token
-    are left unmasked: their requests finish when it is settled, and the row is dropped."""
-    if previous is not None:
-        assert previous.host is not None
-        if previous.event is not None:
-            previous.event.synchronize()
-        values = previous.host.tolist()
-        for i, guide in enumerate(guides):
-            if guide is not None:
-                guide.defer(int(values[rows[i] if rows is not None else i]))
-        flush_guides([g for g in guides if g is not None])
-    live = [g if g is not None and g.rejected is None and not g.is_terminated else None
-            for g in guides]
-    bitmask = fill_bitmask(live, logits.shape[-1])
-    if bitmask is not None:
-        apply_bitmask(logits, bitmask)
+    def _constrain(self, logits: torch.Tensor, guides: list[Guide | None],
+                   previous: LaunchedStep | None, rows: list[int] | None) -> None:
+        """Masks what each guided row's grammar forbids next. The grammars first take the
+        previous step's tokens (that step's `taken`), which are on the host once its event
+        is: row i of this step is row rows[i] (or i) of that one. Rows whose grammar ended or
+        refused that token are left unmasked: their requests finish when it is settled, and
+        the row is dropped."""
+        if previous is not None:
+            assert previous.host is not None
+            if previous.event is not None:
+                previous.event.synchronize()
+            values = previous.host.tolist()
+            for i, guide in enumerate(guides):
+                if guide is not None:
+                    guide.defer(int(values[rows[i] if rows is not None else i]))
+        bitmask = fill_bitmask(guides, logits.shape[-1], self._mask_buffer(logits))
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
+            if self._mask_copied is not None:
+                self._mask_copied.record()
+
+    def _mask_buffer(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Pinned memory for the step's bitmask on CUDA (its copy to the device then waits for
+        nothing), once the previous step's copy from it is done; None on the CPU."""
+        if not logits.is_cuda:
+            return None
+        rows, width = logits.shape[0], bitmask_words(logits.shape[-1])
+        buffer = self._mask_host
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width:
+            buffer = self._mask_host = torch.empty((rows, width), dtype=torch.int32,
+                                                   pin_memory=True)
+            self._mask_copied = torch.cuda.Event()
+        elif self._mask_copied is not None:
+            self._mask_copied.synchronize()
+        return buffer
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a loop that stopped waiting cancelled it
+        future.set_result(None)

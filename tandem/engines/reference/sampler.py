@@ -99,9 +99,10 @@ class Sampler:
         draws = self.launch(logits, inputs)
         return self.collect(draws, draws.values.tolist())
 
-    def launch(self, logits: torch.Tensor, inputs: Sequence[SampleInput]) -> Draws:
+    def launch(self, logits: torch.Tensor, inputs: Sequence[SampleInput],
+               noise: torch.Tensor | None = None) -> Draws:
         """`sample` up to the copy to the host: the kernels are queued, nothing waits for the
-        device (N >= 1)."""
+        device (N >= 1). `noise`: `self.noise(logits, inputs)`, queued earlier."""
         n = len(inputs)
         x = self._apply_penalties(logits, inputs)
         x = self._mask_stops(x, inputs)
@@ -109,14 +110,14 @@ class Sampler:
         if len(greedy) == n:  # fast path: argmax only
             tokens = x.argmax(dim=-1)
         elif not greedy:
-            tokens = self._draw(x, inputs)
+            tokens = self._draw(x, inputs, noise)
         else:
             drawn = [i for i in range(n) if inputs[i].params.temperature != 0.0]
             tokens = torch.empty(n, dtype=torch.long, device=x.device)
             g_idx = self._tensor(greedy, torch.long)
             d_idx = self._tensor(drawn, torch.long)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
-            tokens[d_idx] = self._draw(x[d_idx], [inputs[i] for i in drawn])
+            tokens[d_idx] = self._draw(x[d_idx], [inputs[i] for i in drawn], noise)
         lp_rows = [i for i, r in enumerate(inputs) if r.params.top_logprobs is not None]
         if not lp_rows:
             return Draws(tokens, tokens, [], [])
@@ -197,7 +198,25 @@ class Sampler:
         masked = x.reshape(-1).index_fill(0, self._tensor(flat, torch.long), float("-inf"))
         return masked.view_as(x)
 
-    def _draw(self, x: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor:
+    def noise(self, logits: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor | None:
+        """The draws' random part, which the logits' values do not change: one seeded Exp(1)
+        row per drawn (temperature > 0) row, queued on the device (one kernel per row). A
+        step that masks its logits late (guided decoding) queues it before the mask; None
+        when every row is greedy."""
+        drawn = [r for r in inputs if r.params.temperature != 0.0]
+        if not drawn:
+            return None
+        # The probabilities' dtype: logits divided by a float32 temperature column.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        noise = torch.empty((len(drawn), logits.shape[-1]), dtype=dtype, device=logits.device)
+        for i, r in enumerate(drawn):
+            self._generator.manual_seed(draw_seed(r.seed, len(r.output_ids)))
+            noise[i].exponential_(generator=self._generator)
+        # Exp(1) can be exactly 0 on some backends; 0/0 would be NaN and poison the argmax.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _draw(self, x: torch.Tensor, inputs: Sequence[SampleInput],
+              noise: torch.Tensor | None = None) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one seeded draw per row of x ([M, V])."""
         m, v = x.shape
         params = [r.params for r in inputs]
@@ -210,12 +229,9 @@ class Sampler:
             min_p = self._tensor([p.min_p for p in params], torch.float32).unsqueeze(1)
             threshold = min_p * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)  # the race needs no renormalising
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(inputs):
-            self._generator.manual_seed(draw_seed(r.seed, len(r.output_ids)))
-            noise[i].exponential_(generator=self._generator)
-        # Exp(1) can be exactly 0 on some backends; 0/0 would be NaN and poison the argmax.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        if noise is None:
+            noise = self.noise(probs, inputs)
+        assert noise is not None
         return (probs / noise).argmax(dim=-1)
 
     def _top_k_top_p(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
