@@ -87,6 +87,7 @@ def kv_blocks(grid: dict) -> int:
 async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
                   warmup: bool = True) -> dict:
     """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
+    from benchmarks.mixed_gpu import closed_loop
     from tandem.engines.args import EngineArgs
     from tandem.engines.reference.engine import create_reference_engine
 
@@ -118,10 +119,18 @@ async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
             tokens = sum(len(t) for t, _ in results)
             fig = {"tps": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
                    "step_p50": pct(gaps, 50), "step_p99": pct(gaps, 99), "wall_s": wall}
-            out[f"{isl}/{osl}/{batch}"] = fig
             print(f"engine {isl}/{osl} batch {batch}: {fig['tps']:,.0f} tok/s, TTFT p50 "
                   f"{fig['ttft_p50']:.1f} ms, step p50 {fig['step_p50']:.2f} ms "
                   f"({wall:.1f} s)", flush=True)
+            # The served load in process: the same streams and requests, each stream sending
+            # its next request when the last ends (arrivals spread as the stack's are).
+            n = max(r for c, r in points if c == batch)
+            fig["closed"] = loop = await closed_loop(engine, isl, osl, batch, n, DEMO_VOCAB,
+                                                     seed=batch)
+            print(f"engine {isl}/{osl} closed loop {batch} x{n}: {loop['tps']:,.0f} tok/s, "
+                  f"TTFT p50 {loop['ttft_p50']:.1f} ms, ITL p50 per request "
+                  f"{loop['request_itl_p50']:.2f} ms ({loop['wall_s']:.1f} s)", flush=True)
+            out[f"{isl}/{osl}/{batch}"] = fig
     await engine.close()
     return out
 
@@ -180,6 +189,56 @@ def stop_stack(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def stage_pids(root: int) -> dict[str, int]:
+    """The `tandem serve <stage>` children of `root` (tandem up), by stage."""
+    found: dict[str, int] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == root and b"serve" in argv and b"tandem.cli" in argv:
+            stage = argv[argv.index(b"serve") + 1].decode()
+            found.setdefault(stage, int(entry.name))
+    return found
+
+
+class Profiles:
+    """py-spy on the decode worker and the frontend for one served point (--py-spy): raw
+    collapsed stacks with thread names, one file per process under the output folder."""
+
+    def __init__(self, out_dir: pathlib.Path, root: int) -> None:
+        self.out_dir, self.root = out_dir, root
+        self.running: list[subprocess.Popen] = []
+
+    def start(self, key: str) -> None:
+        spy = shutil.which("py-spy")
+        if spy is None:
+            print("py-spy: not installed, no profile", flush=True)
+            return
+        for stage, pid in stage_pids(self.root).items():
+            if stage not in ("decode", "frontend"):
+                continue
+            path = self.out_dir / f"py-spy-{key.replace('/', '-')}-{stage}.txt"
+            self.running.append(subprocess.Popen(
+                [spy, "record", "--pid", str(pid), "--rate", "250", "--nonblocking",
+                 "--threads", "--format", "raw", "-o", str(path)],
+                stdout=subprocess.DEVNULL, stderr=(self.out_dir / "py-spy.log").open("a")))
+
+    def stop(self) -> None:
+        for proc in self.running:
+            proc.send_signal(signal.SIGINT)
+        for proc in self.running:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.running = []
 
 
 def prompt_texts(n: int, isl: int, seed: int, overhead: int) -> list[str]:
@@ -273,7 +332,8 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
             "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
 
 
-async def served(url: str, grid: dict, deadline: float, warmup: bool = True) -> dict:
+async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
+                 profiles: Profiles | None = None) -> dict:
     out: dict = {}
     # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
     warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
@@ -289,6 +349,8 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True) -> 
             # As the engine alone: first `conc` requests of 4 tokens at this shape.
             if warmup:
                 await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
+            if profiles is not None:
+                profiles.start(key)
             try:  # a stalled stack must not eat the call: the point ends with the budget
                 fig = await asyncio.wait_for(
                     drive(url, isl, osl, conc, n, seed=1000 * k + conc, overhead=overhead),
@@ -297,6 +359,9 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True) -> 
                 print(f"served {key}: timed out", flush=True)
                 out[key] = {"skipped": True, "timed_out": True}
                 continue
+            finally:
+                if profiles is not None:
+                    profiles.stop()
             out[key] = fig
             print(f"served {key} x{n}: {fig['tps']:,.0f} tok/s, TTFT p50/p99 "
                   f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms, ITL p50/p99 "
@@ -307,23 +372,30 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True) -> 
 
 
 def table(grid: dict, engine: dict, stack: dict) -> str:
-    rows = ["| ISL/OSL | streams | requests | served tok/s | engine tok/s | efficiency | "
-            "TTFT p50 / p99 ms (served) | TTFT p50 / p99 ms (engine) | ITL p50 / p99 ms "
-            "(served) | step p50 / p99 ms (engine) | errors |",
+    """Served against the engine in process: all B requests at once ("batch"), and the served
+    load itself ("closed": C streams, each sending its next request when the last ends). ITL
+    per request is (last token - first token) / (tokens - 1), as aiperf's; gap p50 is the
+    median time between a stream's tokens, against the engine's step p50 (batch)."""
+    rows = ["| ISL/OSL | streams | requests | served tok/s | engine tok/s batch / closed | "
+            "efficiency (batch / closed) | TTFT p50 ms served / engine closed / batch | "
+            "TTFT p99 ms served / closed | ITL p50 per request ms served / closed | "
+            "gap p50 ms served / engine step | errors |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (isl, osl), points in grid.items():
         for conc, n in points:
             key = f"{isl}/{osl}/{conc}"
             e, s = engine.get(key, {}), stack.get(key, {})
-            if not s or s.get("skipped"):
+            c = e.get("closed", {})
+            if not s or s.get("skipped") or not c:
                 rows.append(f"| {isl}/{osl} | {conc} | {n} | skipped | "
                             f"{e.get('tps', float('nan')):,.0f} | | | | | | |")
                 continue
             rows.append(
-                f"| {isl}/{osl} | {conc} | {n} | {s['tps']:,.0f} | {e['tps']:,.0f} | "
-                f"{s['tps'] / e['tps']:.0%} | {s['ttft_p50']:.1f} / {s['ttft_p99']:.1f} | "
-                f"{e['ttft_p50']:.1f} / {e['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
-                f"{s['itl_p99']:.2f} | {e['step_p50']:.2f} / {e['step_p99']:.2f} | "
+                f"| {isl}/{osl} | {conc} | {n} | {s['tps']:,.0f} | {e['tps']:,.0f} / "
+                f"{c['tps']:,.0f} | {s['tps'] / e['tps']:.0%} / {s['tps'] / c['tps']:.0%} | "
+                f"{s['ttft_p50']:.1f} / {c['ttft_p50']:.1f} / {e['ttft_p50']:.1f} | "
+                f"{s['ttft_p99']:.1f} / {c['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
+                f"{c['request_itl_p50']:.2f} | {s['chunk_gap_p50']:.2f} / {e['step_p50']:.2f} | "
                 f"{s['errors']} |")
     return "\n".join(rows)
 
@@ -342,6 +414,9 @@ def main() -> None:
     parser.add_argument("--no-warmup", action="store_true",
                         help="no requests at each point's shape before it (what a worker that "
                         "captures its CUDA graphs at start must not need)")
+    parser.add_argument("--py-spy", action="store_true",
+                        help="profile the decode worker and the frontend at each served point "
+                        "(py-spy on PATH; raw stacks into --out)")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -378,7 +453,9 @@ def main() -> None:
     t_ready = time.monotonic() - began
     print(f"READY after {t_ready - t_engine:.1f} s: {url}", flush=True)
     try:
-        stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup))
+        profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
+        stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
+                                   profiles))
     finally:
         stop_stack(proc)
     result = {"device": device_name, "shape": {**shape, "vocab_size": DEMO_VOCAB},
