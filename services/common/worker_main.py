@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from services.common.kv_events import KvEventsServicer
 from services.common.worker_stats import WorkerServicer
 from services.decode.servicer import DecodeServicer
+from services.decode.session_socket import SessionSocket
 from services.embed.servicer import EmbedServicer
 from services.encode.servicer import EncodeServicer
 from services.prefill.servicer import PrefillServicer
 from tandem.errors import InvalidRequest
 from tandem.runtime import config as config_lib
-from tandem.runtime import loop
+from tandem.runtime import loop, unix_sockets
 from tandem.runtime.worker import Worker, run_worker
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import (
@@ -35,9 +36,13 @@ class Stage:
 
 
 def _decode(w: Worker) -> None:
-    decode_pb2_grpc.add_DecodeServicer_to_server(
-        DecodeServicer(w.engine, w.service.draining,
-                       w.config.session_interval_ms / 1000), w.service.server)
+    servicer = DecodeServicer(w.engine, w.service.draining, w.config.session_interval_ms / 1000)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, w.service.server)
+    path = unix_sockets.session_server_path(w.config.host, w.service.port)
+    if path is not None and w.service.unix_path is not None:  # where gRPC has a socket too
+        sessions = SessionSocket(path, servicer.session)
+        w.service.on_start(sessions.start)
+        w.service.on_close(sessions.close)  # after the drain, before the engine's close
 
 
 def _prefill(w: Worker) -> None:

@@ -3,7 +3,8 @@ or many over one Session stream: services.decode.session)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -79,6 +80,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Session(self, requests: AsyncIterator[pb.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionBatch]:
+        async with aclosing(self.session(requests)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def session(self, requests: AsyncIterator[pb.SessionRequest]
+                      ) -> AsyncGenerator[pb.SessionBatch, None]:
+        """One Decode.Session, whatever carries it (this gRPC call, or a Unix socket's frames:
+        services.decode.session_socket)."""
         session = WorkerSession(self.engine, self.draining,
                                 lambda r: engine_request(r, self.engine.max_model_len),
                                 fill_chunk, self.session_interval_s)

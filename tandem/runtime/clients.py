@@ -13,8 +13,8 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from tandem.engines.types import Embedding, EngineRequest, KvHandle, PrefillResult, TokenChunk
-from tandem.runtime import convert, status, tracing
-from tandem.runtime.decode_session import BatchObserver, SessionChannel
+from tandem.runtime import convert, status, tracing, unix_sockets
+from tandem.runtime.decode_session import BatchObserver, GrpcCall, SessionChannel, SocketCall
 from tandem.runtime.interceptor import REQUEST_ID_KEY
 from tandem.runtime.tasks import spawn
 from tandem.runtime.tls import TlsConfig, aio_channel
@@ -133,8 +133,10 @@ class DecodeClients(_Channels):
     def _session(self, address: str) -> SessionChannel:
         session = self._sessions.get(address)
         if session is None or session.closed:
-            session = self._sessions[address] = SessionChannel(self.channel(address), address,
-                                                               self.on_batch)
+            path = None if self._tls is not None and self._tls.enabled else \
+                unix_sockets.session_dial_path(address)
+            call = SocketCall(path, address) if path else GrpcCall(self.channel(address), address)
+            session = self._sessions[address] = SessionChannel(call, address, self.on_batch)
         return session
 
     async def generate(self, address: str, request: EngineRequest,

@@ -5,6 +5,9 @@ through a queue (one writer task), batches come in through one reader task that 
 request's chunk to its `_Receiver`. When the call ends (worker gone, draining, network), every
 request still on it fails as Unavailable, which the pipeline treats as a broken stream
 (migration) or a refusal (nothing streamed yet); the next request opens a new call.
+
+The call is a gRPC stream (`GrpcCall`), or plain frames on the worker's Unix socket when it has
+one on this host (`SocketCall`; services.decode.session_socket says why).
 """
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from typing import Protocol
 
 import grpc
 
 from tandem.engines.types import TokenChunk
 from tandem.errors import DeadlineExceeded, TandemError, Unavailable
-from tandem.runtime import status
+from tandem.runtime import frames, status
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -82,12 +86,87 @@ def _merged(queued: collections.deque[tuple[decode_pb2.GenerateChunk, int]],
     return chunk
 
 
+class SessionCall(Protocol):
+    """One Decode.Session call, whatever carries it."""
+
+    async def read(self) -> decode_pb2.SessionBatch | None:
+        """The next batch; None once the worker ended the call.
+
+        Raises:
+            TandemError: the call broke (the worker's status, or Unavailable).
+        """
+
+    async def write(self, message: decode_pb2.SessionRequest) -> None:
+        """Raises Unavailable once the call ended."""
+
+    def cancel(self) -> None: ...
+
+
+class GrpcCall:
+    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+        self._call = decode_pb2_grpc.DecodeStub(channel).Session()
+        self._address = address
+
+    async def read(self) -> decode_pb2.SessionBatch | None:
+        try:
+            batch = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise status.from_rpc_error(exc, f"decode worker {self._address}") from None
+        return None if batch is grpc.aio.EOF else batch
+
+    async def write(self, message: decode_pb2.SessionRequest) -> None:
+        try:
+            await self._call.write(message)
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            raise Unavailable(f"session to decode worker {self._address} ended") from exc
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class SocketCall:
+    """The session as frames on the worker's Unix socket (services.decode.session_socket)."""
+
+    def __init__(self, path: str, address: str) -> None:
+        self._address = address
+        self._connecting = asyncio.ensure_future(asyncio.open_unix_connection(path))
+
+    async def _streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await asyncio.shield(self._connecting)
+        except OSError as exc:
+            raise Unavailable(f"decode worker {self._address} unreachable: {exc}") from None
+
+    async def read(self) -> decode_pb2.SessionBatch | None:
+        reader, _ = await self._streams()
+        try:
+            return await frames.read(reader, decode_pb2.SessionBatch)
+        except ConnectionError as exc:
+            raise Unavailable(f"session to decode worker {self._address} broke: {exc}") from None
+
+    async def write(self, message: decode_pb2.SessionRequest) -> None:
+        _, writer = await self._streams()
+        if writer.is_closing():
+            raise Unavailable(f"session to decode worker {self._address} ended")
+        writer.write(frames.encode(message))
+        try:
+            await writer.drain()
+        except ConnectionError as exc:
+            raise Unavailable(f"session to decode worker {self._address} broke: {exc}") from None
+
+    def cancel(self) -> None:
+        if not self._connecting.done():
+            self._connecting.cancel()
+        elif not self._connecting.cancelled() and self._connecting.exception() is None:
+            self._connecting.result()[1].close()
+
+
 class SessionChannel:
-    def __init__(self, channel: grpc.aio.Channel, address: str,
+    def __init__(self, call: SessionCall, address: str,
                  on_batch: BatchObserver | None = None) -> None:
         self.address = address
         self._on_batch = on_batch
-        self._call = decode_pb2_grpc.DecodeStub(channel).Session()
+        self._call = call
         self._outbox: asyncio.Queue[decode_pb2.SessionRequest] = asyncio.Queue()
         self._receivers: dict[str, _Receiver] = {}
         self.closed = False
@@ -139,7 +218,7 @@ class SessionChannel:
         try:
             while True:
                 batch = await self._call.read()
-                if batch is grpc.aio.EOF:
+                if batch is None:
                     break
                 # One chunk per batch carries the read time: the last hop is sampled per batch.
                 received_ns = time.time_ns()
@@ -155,8 +234,8 @@ class SessionChannel:
                     else:
                         receiver.put(item.chunk, received_ns)
                         received_ns = 0
-        except grpc.aio.AioRpcError as exc:
-            error = status.from_rpc_error(exc, f"decode worker {self.address}")
+        except TandemError as exc:
+            error = exc
             if not isinstance(error, Unavailable):
                 # The session itself broke (not one request): retryable on another worker.
                 error = Unavailable(f"decode worker {self.address} session failed: {error}")
@@ -171,7 +250,7 @@ class SessionChannel:
             while True:
                 message = await self._outbox.get()
                 await self._call.write(message)
-        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+        except Unavailable as exc:
             # The call ended; the reader sees why and fails the requests.
             log.debug("session write failed", extra={"worker": self.address, "error": str(exc)})
 

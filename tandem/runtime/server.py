@@ -120,6 +120,7 @@ class GrpcService:
             # The socket option is per server, so this port is bound with SO_REUSEPORT too;
             # whoever hands out own ports (the launcher) keeps them distinct.
             self._bind(options.own_port)
+        self._start_hooks: list[CloseHook] = []
         self._close_hooks: list[CloseHook] = []
         self._drain_hooks: list[CloseHook] = []
         #: False for a service that reports SERVING itself once it can serve (the router).
@@ -160,6 +161,11 @@ class GrpcService:
     def address(self) -> str:
         return f"{self.options.host}:{self.port}"
 
+    def on_start(self, hook: CloseHook) -> None:
+        """Runs once the gRPC server started, before health says SERVING (e.g. another
+        listener's start)."""
+        self._start_hooks.append(hook)
+
     def on_close(self, hook: CloseHook) -> None:
         """Runs after the drain, in registration order."""
         self._close_hooks.append(hook)
@@ -178,6 +184,8 @@ class GrpcService:
 
     async def start(self) -> None:
         await self.server.start()
+        for hook in self._start_hooks:
+            await hook()
         if self.serve_when_started:
             await self.set_serving(True)
         own = {"own_port": self.options.own_port} if self.options.own_port else {}

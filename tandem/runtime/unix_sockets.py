@@ -4,7 +4,9 @@
 that binds a loopback or any-address TCP port P (plaintext, without SO_REUSEPORT) also binds
 `<dir>/P.sock`, and a channel to a loopback address with port P dials that socket when it
 exists. Every message between two local processes then skips the kernel's TCP stack (loopback
-TCP's `sendmsg` was ~40% of a decode worker's busy time in py-spy).
+TCP's `sendmsg` was ~40% of a decode worker's busy time in py-spy). A decode worker also serves
+Decode.Session as plain frames at `<dir>/P.session.sock`, which the frontend's sessions dial
+instead of gRPC (services.decode.session_socket says why).
 
 What stays TCP, on purpose:
 - addresses, everywhere they are written or advertised (the router's worker list, logs, KV
@@ -42,9 +44,15 @@ def socket_path(directory: str, port: int) -> str:
     return os.path.join(directory, f"{port}.sock")
 
 
+def session_socket_path(directory: str, port: int) -> str:
+    """Where the decode worker of `port` serves Decode.Session as plain frames
+    (services.decode.session_socket)."""
+    return os.path.join(directory, f"{port}.session.sock")
+
+
 def fits(directory: str, port: int = 65535) -> bool:
-    """Whether a socket for `port` in `directory` has a path the kernel accepts."""
-    return len(os.fsencode(socket_path(directory, port))) <= MAX_PATH_BYTES
+    """Whether the sockets for `port` in `directory` have paths the kernel accepts."""
+    return len(os.fsencode(session_socket_path(directory, port))) <= MAX_PATH_BYTES
 
 
 def is_local_host(host: str) -> bool:
@@ -78,6 +86,24 @@ def server_path(host: str, port: int) -> str | None:
     if not directory or not is_local_host(host) or not fits(directory, port):
         return None
     return socket_path(directory, port)
+
+
+def session_server_path(host: str, port: int) -> str | None:
+    """Where a decode worker bound to `host:port` serves Decode.Session as plain frames; None:
+    only over gRPC (as server_path)."""
+    path = server_path(host, port)
+    return None if path is None else session_socket_path(os.path.dirname(path), port)
+
+
+def session_dial_path(address: str) -> str | None:
+    """The plain-frame Decode.Session socket of the decode worker at a local `address`, when
+    it has one here; None: use gRPC."""
+    directory = socket_dir()
+    if not directory or (parts := split_address(address)) is None:
+        return None
+    host, port = parts
+    path = session_socket_path(directory, port)
+    return path if is_local_host(host) and os.path.exists(path) else None
 
 
 def dial_target(address: str) -> str:

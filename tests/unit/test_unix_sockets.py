@@ -49,6 +49,16 @@ def test_dial_target_takes_an_existing_socket_of_a_local_address(socket_dir: str
         assert unix_sockets.dial_target(address) == address, address
 
 
+def test_a_session_socket_is_dialed_only_where_it_exists(socket_dir: str) -> None:
+    assert unix_sockets.session_dial_path("127.0.0.1:9200") is None
+    path = unix_sockets.session_socket_path(socket_dir, 9200)
+    assert unix_sockets.session_server_path("127.0.0.1", 9200) == path
+    assert unix_sockets.session_server_path("10.1.2.3", 9200) is None
+    pathlib.Path(path).touch()
+    assert unix_sockets.session_dial_path("127.0.0.1:9200") == path
+    assert unix_sockets.session_dial_path("10.1.2.3:9200") is None
+
+
 def test_reserve_keeps_a_socket_already_there(socket_dir: str) -> None:
     unix_sockets.reserve(socket_dir, 9200)
     unix_sockets.reserve(socket_dir, 9200)
