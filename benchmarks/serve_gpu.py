@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -151,7 +152,8 @@ def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace) -> dict
 # ---------------------------------------------------------------- the stack (tandem up)
 
 def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_batch: int,
-                max_seq: int, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+                max_seq: int, log: pathlib.Path,
+                extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `tandem up` in a session of its own; returns it and the HTTP base URL once it
     printed READY (raises with the log's tail if it exits or takes too long)."""
     argv = [sys.executable, "-m", "tandem.cli", "up", "--engine", "reference",
@@ -162,7 +164,7 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
             "--max-num-tokens", "8192", "--http-port", str(args.http_port),
             "--grpc-port", str(args.http_port + 1), "--router-port", str(args.http_port + 100),
             "--decode-ports", str(args.http_port + 200), "--restart-policy", "no",
-            "--grace-period-s", "5", "--log-level", "warning"]
+            "--grace-period-s", "5", "--log-level", "warning", *(extra or [])]
     print("$ " + " ".join(argv[1:]), flush=True)
     handle = log.open("w")
     proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
@@ -417,6 +419,9 @@ def main() -> None:
     parser.add_argument("--py-spy", action="store_true",
                         help="profile the decode worker and the frontend at each served point "
                         "(py-spy on PATH; raw stacks into --out)")
+    parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "ARGS"),
+                        help="serve the grid once per variant: a name and `tandem up` flags "
+                        "added to the defaults (repeatable; default: one, no flags)")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -448,29 +453,35 @@ def main() -> None:
     t_engine = time.monotonic() - began
     max_batch = max(c for points in grid.values() for c, _ in points)
     max_seq = max(2048, max(isl + osl for isl, osl in grid) + 64)
-    log = out_dir / "tandem_up.log"
-    proc, url = start_stack(model, args, kv_blocks(grid), max_batch, max_seq, log)
-    t_ready = time.monotonic() - began
-    print(f"READY after {t_ready - t_engine:.1f} s: {url}", flush=True)
-    try:
-        profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
-        stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
-                                   profiles))
-    finally:
-        stop_stack(proc)
-    result = {"device": device_name, "shape": {**shape, "vocab_size": DEMO_VOCAB},
-              "grid": {f"{i}/{o}": p for (i, o), p in grid.items()}, "engine": engine,
-              "served": stack, "seconds": {"engine": t_engine, "stack_start": t_ready - t_engine,
-                                           "total": time.monotonic() - began}}
-    text = table(grid, engine, stack)
-    result["table"] = text
+    result: dict = {"device": device_name, "shape": {**shape, "vocab_size": DEMO_VOCAB},
+                    "grid": {f"{i}/{o}": p for (i, o), p in grid.items()}, "engine": engine,
+                    "served": {}, "seconds": {"engine": t_engine}}
+    tables = []
+    for name, extra in args.variant or [("default", "")]:
+        log = out_dir / f"tandem_up-{name}.log"
+        start = time.monotonic()
+        proc, url = start_stack(model, args, kv_blocks(grid), max_batch, max_seq, log,
+                                shlex.split(extra))
+        print(f"READY after {time.monotonic() - start:.1f} s ({name}): {url}", flush=True)
+        try:
+            profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
+            stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
+                                       profiles))
+        finally:
+            stop_stack(proc)
+        result["served"][name] = stack
+        result["seconds"][f"stack_start {name}"] = time.monotonic() - start
+        tables.append((name, extra, table(grid, engine, stack)))
+    result["seconds"]["total"] = time.monotonic() - began
+    result["tables"] = {name: text for name, _, text in tables}
     (out_dir / "serve_gpu.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{device_name}, {'small' if args.smoke else 'Llama-3.1-8B'} shape (vocab "
-          f"{DEMO_VOCAB}), dummy {args.dtype} weights, "
-          f"one decode worker; efficiency = served output tok/s / the engine's at B = streams\n")
-    print(text)
+    for name, extra, text in tables:
+        print(f"\n{device_name}, {'small' if args.smoke else 'Llama-3.1-8B'} shape (vocab "
+              f"{DEMO_VOCAB}), dummy {args.dtype} weights, one decode worker; stack "
+              f"{name!r} (tandem up {extra or 'defaults'}); efficiency = served output tok/s "
+              f"/ the engine's\n")
+        print(text)
     print(f"\nseconds: {json.dumps({k: round(v, 1) for k, v in result['seconds'].items()})}")
-
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ import pytest
 from services.frontend.main import FrontendConfig
 from services.frontend.supervisor import child_argv
 from tandem.errors import InvalidRequest
+from tandem.launcher import deployment
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes
 from tandem.launcher.up import Topology
 from tandem.runtime import config as config_lib
@@ -49,9 +50,22 @@ def test_several_share_the_ports_and_own_one_each(tmp_path: pathlib.Path) -> Non
     assert {p.stop_group for p in frontends} == {"frontend"}
 
 
-def test_zero_processes_is_refused(tmp_path: pathlib.Path) -> None:
+def test_negative_processes_are_refused(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidRequest, match="frontend_processes"):
-        processes(Deployment(engine="mock", frontend_processes=0), tmp_path)
+        processes(Deployment(engine="mock", frontend_processes=-1), tmp_path)
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4),
+                                                 (64, 4)])
+def test_zero_processes_means_one_per_four_cores(tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                 expected: int) -> None:
+    monkeypatch.setattr(deployment.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    frontends = [p for p in processes(Deployment(engine="mock"), tmp_path)
+                 if p.name.startswith("frontend")]
+    assert len(frontends) == expected
+    assert [p.name for p in frontends] == (
+        ["frontend"] if expected == 1 else [f"frontend-{i}" for i in range(expected)])
 
 
 def test_supervisor_children_override_processes_and_take_their_own_ports() -> None:
