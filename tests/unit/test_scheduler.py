@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 from tandem.engines.batching.ahead import PLACEHOLDER
-from tandem.engines.batching.request import BatchRequest
+from tandem.engines.batching.request import BatchRequest, RequestStatus
 from tandem.engines.batching.scheduler import Scheduler
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, SamplingParams
@@ -85,7 +85,7 @@ def test_a_shared_prefix_is_served_from_the_cache() -> None:
     s.add(first)
     s.schedule()
     s.release(first)
-    first.is_finished = True
+    first.status = RequestStatus.FINISHED
     s.compact()
     second = request(prefix + [3, 4, 5])
     s.add(second)
@@ -116,7 +116,7 @@ def test_a_block_holding_a_placeholder_is_hashed_once_its_token_is_known() -> No
 def test_a_request_that_finished_while_preempted_is_never_admitted() -> None:
     s = scheduler()
     gone, next_one = request(3), request(3)
-    gone.is_finished = True  # its last token (sampled ahead) finished it in the waiting queue
+    gone.status = RequestStatus.FINISHED  # its last token (sampled ahead) finished it in the waiting queue
     s.waiting.extend([gone, next_one])
     plan = s.schedule()
     assert [r for r, _ in plan.scheduled] == [next_one]

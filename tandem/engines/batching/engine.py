@@ -24,7 +24,7 @@ from tandem.engines.batching.ahead import (
     same_requests,
 )
 from tandem.engines.batching.host_copies import CopyTiming, HostCopies
-from tandem.engines.batching.request import BatchRequest
+from tandem.engines.batching.request import BatchRequest, RequestStatus
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
 from tandem.engines.batching.step_gate import StepGate
 from tandem.engines.batching.transfers import KvLoads
@@ -108,7 +108,11 @@ class BatchingEngine(Engine):
         self._handles_out: dict[str, KvHandle] = {}
         self._transfer: KvTransfer | None = None
         #: Decode side: reads of prefill workers' KV in flight.
-        self.loads = KvLoads(self)
+        self.loads = KvLoads(
+            lambda: self.transfer, self.pool, self.scheduler,
+            recompute_on_failure=args.kv_load_failure_policy == "recompute",
+            keep_checksums=args.debug_kv_checksums, fail=self._fail_loaded,
+            wake=self._wakeup.set)
         #: Guided decoding: built from the model's tokenizer with the first guided request.
         self._grammars: Grammars | None = None
         #: The step launched ahead whose tokens are not applied yet (see `_launch`).
@@ -265,8 +269,7 @@ class BatchingEngine(Engine):
         """A prefill-only request sampled its first token: its blocks go under a lease and the
         handle waits for `prefill` to hand it out."""
         assert req.lease_ms is not None
-        req.is_finished = True
-        del self._requests[req.request_id]
+        self._end(req)
         table, req.table = req.table, BlockTable()
         bs = self.pool.block_size
         hashes = tuple(req.block_hashes(req.num_prompt // bs, bs))
@@ -285,29 +288,40 @@ class BatchingEngine(Engine):
     # ---- ending requests --------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        req.is_finished = True
-        if not req.is_loading:  # a read still writing its blocks frees them when it ends
+        loading = req.is_loading
+        self._end(req)
+        if not loading:  # a read still writing its blocks frees them when it ends
             self.scheduler.drop(req)
         req.stream.finish(FinishReason.CANCELLED, self._usage(req))
         return True
+
+    def _end(self, req: BatchRequest) -> None:
+        """Every way a request ends goes through here (finished, aborted, failed, leased, a
+        failed KV read): FINISHED, and no longer the engine's. The caller releases its blocks
+        (or leases them) and ends its stream."""
+        req.status = RequestStatus.FINISHED
+        self._requests.pop(req.request_id, None)
 
     def _usage(self, req: BatchRequest) -> Usage:
         return Usage(req.num_prompt, req.num_output, req.num_cached)
 
     def _finish(self, req: BatchRequest, reason: FinishReason) -> None:
-        req.is_finished = True
-        del self._requests[req.request_id]
+        self._end(req)
         self.scheduler.release(req)
         req.stream.finish(reason, self._usage(req))
 
     def _fail(self, req: BatchRequest, error: TandemError) -> None:
         """Ends one request with an error mid-step (as abort does, with the error)."""
-        req.is_finished = True
-        self._requests.pop(req.request_id, None)
+        self._end(req)
         self.scheduler.drop(req)
+        req.stream.fail(error)
+
+    def _fail_loaded(self, req: BatchRequest, error: TandemError) -> None:
+        """Ends a request whose KV read failed (its blocks are already free)."""
+        self._end(req)
         req.stream.fail(error)
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextvars
+import enum
 
 from tandem.engines.guided.matcher import Guide
 from tandem.engines.stream import RequestStream
@@ -9,6 +10,24 @@ from tandem.engines.types import EngineRequest, SamplingParams, TokenLogprob
 from tandem.kv.block_pool import BlockTable
 from tandem.kv.hashing import hash_block
 from tandem.multimodal.placeholders import mm_hashes_per_block
+
+
+class RequestStatus(enum.Enum):
+    """A request's phase, for its whole life. The scheduler admits (WAITING -> RUNNING), the
+    KV reads of disaggregation load (RUNNING -> LOADING -> RUNNING), and one engine method
+    ends it (BatchingEngine._end: -> FINISHED), whichever way it ends (finished, aborted,
+    failed, or leased by a prefill worker)."""
+
+    #: Not admitted yet: no blocks, nothing computed.
+    WAITING = "waiting"
+    #: Admitted: scheduled, or preempted back to the waiting queue (its cached-token count
+    #: stays the one of its first admission).
+    RUNNING = "running"
+    #: Admitted, and its prompt's KV is being read into its blocks: they must not be freed
+    #: until the read ends (tandem.engines.batching.transfers).
+    LOADING = "loading"
+    #: Ended: never scheduled again; its blocks are released or handed to a lease.
+    FINISHED = "finished"
 
 
 class BatchRequest:
@@ -22,9 +41,8 @@ class BatchRequest:
 
     __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
-                 "first_token", "is_finished", "was_admitted", "stop_ids", "min_tokens",
-                 "prompt_logprobs", "kv_handle", "lease_ms", "is_loading", "context",
-                 "embeddings", "guide", "num_pending")
+                 "first_token", "status", "stop_ids", "min_tokens", "prompt_logprobs",
+                 "kv_handle", "lease_ms", "context", "embeddings", "guide", "num_pending")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None,
@@ -54,13 +72,10 @@ class BatchRequest:
         #: The admitting call's context (its request id, its trace span), for the KV read
         #: that runs later in a task of its own.
         self.context = contextvars.copy_context() if request.kv_handle is not None else None
-        #: True while its blocks are being written by a transfer: they must not be freed.
-        self.is_loading = False
         #: Set for a prefill-only request: after its first token the blocks are leased this
         #: long instead of freed.
         self.lease_ms = lease_ms
-        self.is_finished = False
-        self.was_admitted = False
+        self.status = RequestStatus.WAITING
         # EOS stops a request unless ignore_eos (as in vLLM). The mock never draws EOS itself,
         # but a prefill worker's first token may be one.
         stop = set(request.sampling.stop_token_ids)
@@ -78,6 +93,19 @@ class BatchRequest:
         #: 1 while token_ids ends with a token still on the device (a PLACEHOLDER: see
         #: tandem.engines.batching.ahead), else 0.
         self.num_pending = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def was_admitted(self) -> bool:
+        return self.status is not RequestStatus.WAITING
+
+    @property
+    def is_loading(self) -> bool:
+        """Whether a transfer writes its blocks now (they must not be freed)."""
+        return self.status is RequestStatus.LOADING
 
     @property
     def is_prefilling(self) -> bool:

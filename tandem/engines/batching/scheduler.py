@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.engines.batching.request import BatchRequest
+from tandem.engines.batching.request import BatchRequest, RequestStatus
 from tandem.kv.block_pool import BlockPool, PrefixMatch
 
 
@@ -200,9 +200,9 @@ class Scheduler:
         if not pool.can_allocate(cached + n, match):
             return False
         pool.allocate(req.table, cached + n, match)
-        if not req.was_admitted:
+        if req.status is RequestStatus.WAITING:
             req.num_cached = cached
-            req.was_admitted = True
+            req.status = RequestStatus.RUNNING
             req.stream.set_cached_tokens(cached)
         req.num_computed = cached
         self._advance(req, n, plan)

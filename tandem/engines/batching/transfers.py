@@ -12,16 +12,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from tandem.engines.base import TransferObserver
-from tandem.engines.batching.request import BatchRequest
+from tandem.engines.batching.request import BatchRequest, RequestStatus
+from tandem.engines.batching.scheduler import Scheduler
 from tandem.engines.types import KvHandle, TransferRecord
-from tandem.errors import FailedPrecondition, UpstreamError
-from tandem.kv.transfer import TransferError
-
-if TYPE_CHECKING:
-    from tandem.engines.batching.engine import BatchingEngine
+from tandem.errors import FailedPrecondition, TandemError, UpstreamError
+from tandem.kv.block_pool import BlockPool
+from tandem.kv.transfer import KvTransfer, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +35,25 @@ LeaseReleaser = Callable[[KvHandle], None]
 
 
 class KvLoads:
-    def __init__(self, engine: BatchingEngine) -> None:
-        self.engine = engine
+    """The KV reads in flight. It is handed only what it needs (the transfer, the pool, the
+    scheduler, and callbacks into the engine to end a request and wake its loop), never the
+    engine itself."""
+
+    def __init__(self, transfer: Callable[[], KvTransfer], pool: BlockPool, scheduler: Scheduler,
+                 *, recompute_on_failure: bool, keep_checksums: bool,
+                 fail: Callable[[BatchRequest, TandemError], None],
+                 wake: Callable[[], None]) -> None:
+        #: The engine's transfer (created on first use, so asked for each time).
+        self._transfer = transfer
+        self._pool = pool
+        self._scheduler = scheduler
+        #: A failed read: compute the prompt here (True) or fail the request (False).
+        self._recompute_on_failure = recompute_on_failure
+        self._keep_checksums = keep_checksums
+        #: Ends a request whose read failed (its blocks already freed) with that error.
+        self._fail = fail
+        #: Wakes the engine's loop: a read's end changes what it can schedule.
+        self._wake = wake
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Set by the worker process: releases leases on prefill workers (Prefill.Release).
         self.release_remote: LeaseReleaser | None = None
@@ -54,7 +69,7 @@ class KvLoads:
         return len(self._tasks)
 
     def start(self, req: BatchRequest) -> None:
-        req.is_loading = True
+        req.status = RequestStatus.LOADING
         create = asyncio.get_running_loop().create_task
         load, name = self._load(req), f"kv-load-{req.request_id}"
         # In the admitting call's context (a task copies the current one): the read's logs and
@@ -63,7 +78,6 @@ class KvLoads:
                                        else req.context.run(create, load, name=name))
 
     async def _load(self, req: BatchRequest) -> None:
-        engine = self.engine
         handle = req.kv_handle
         assert handle is not None
         local = req.table.block_ids[:len(handle.block_ids)]
@@ -76,20 +90,21 @@ class KvLoads:
                 raise FailedPrecondition(
                     f"the KV lease of request '{handle.request_id}' on prefill worker "
                     f"'{handle.worker_id}' expired before it could be read")
-            num_bytes = await engine.transfer.read(handle, local, left_s)
+            num_bytes = await self._transfer().read(handle, local, left_s)
             self.num_bytes += num_bytes
             self.num_ok += 1
             self.record_checksum("received", req.request_id, local)
         except (TransferError, FailedPrecondition) as exc:
             error = exc
         except asyncio.CancelledError:  # engine closing: the read was abandoned
-            engine.pool.free(req.table)
+            self._pool.free(req.table)
             raise
         except Exception as exc:  # a transfer bug must not strand the request or its blocks
             log.exception("KV read failed unexpectedly", extra={"request_id": req.request_id})
             error = exc
         finally:
-            req.is_loading = False
+            if req.status is RequestStatus.LOADING:  # else aborted meanwhile: FINISHED
+                req.status = RequestStatus.RUNNING
             del self._tasks[req.request_id]
             if self.release_remote is not None:
                 self.release_remote(handle)
@@ -104,32 +119,29 @@ class KvLoads:
         self._after(req, error)
 
     def _after(self, req: BatchRequest, error: Exception | None) -> None:
-        engine = self.engine
         if req.is_finished:  # aborted during the read; nothing writes the blocks now
-            engine.pool.free(req.table)
+            self._pool.free(req.table)
         elif error is None:
             req.kv_handle = None
-            engine.scheduler.resume_loaded(req)
+            self._scheduler.resume_loaded(req)
         else:
             self.num_failed += 1
-            engine.pool.free(req.table)
-            if engine.args.kv_load_failure_policy == "recompute":
+            self._pool.free(req.table)
+            if self._recompute_on_failure:
                 log.warning("KV read failed; computing the prompt locally",
                             extra={"request_id": req.request_id, "error": str(error)})
                 req.kv_handle = None
                 req.first_token = None
-                engine.scheduler.waiting.appendleft(req)
+                self._scheduler.waiting.appendleft(req)
             else:
-                req.is_finished = True
-                del engine._requests[req.request_id]
-                req.stream.fail(error if isinstance(error, FailedPrecondition) else
-                                UpstreamError(f"reading the prompt's KV failed: {error}"))
-        engine._wakeup.set()
+                self._fail(req, error if isinstance(error, FailedPrecondition) else
+                           UpstreamError(f"reading the prompt's KV failed: {error}"))
+        self._wake()
 
     def record_checksum(self, direction: str, request_id: str, block_ids: Sequence[int]) -> None:
-        if not self.engine.args.debug_kv_checksums:
+        if not self._keep_checksums:
             return
-        self.checksums[(direction, request_id)] = self.engine.transfer.checksum(block_ids)
+        self.checksums[(direction, request_id)] = self._transfer().checksum(block_ids)
         while len(self.checksums) > MAX_CHECKSUMS:
             self.checksums.popitem(last=False)
 
