@@ -1,16 +1,17 @@
 """KvEvents servicer: a worker's KV event log and load, streamed to routers."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from tandem.engines.base import Engine
 from tandem.engines.types import EngineStats
 from tandem.kv.event_log import EventLog
-from tandem.kv.subscription import Batch, Message, Resync, subscribe
+from tandem.kv.subscription import HEARTBEAT_INTERVALS, Batch, Message, Resync, subscribe
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
 from tandem.v1 import kv_events_pb2 as pb
@@ -63,10 +64,42 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventsMessage]:
+        if request.loads_only:
+            async for load in loads(self.engine.stats, self.load_interval_s, self.draining):
+                yield self._to_pb(load)
+            return
         start = request.start_sequence if request.HasField("start_sequence") else None
         epoch = request.epoch if request.HasField("epoch") else None
         # Subscriptions end when the worker drains, so they never hold its shutdown open.
         async for message in subscribe(self.event_log, self.engine.stats, start, epoch,
                                        self.load_interval_s, lambda: self.draining.active,
-                                       self.batch_s, events=not request.loads_only):
+                                       self.batch_s):
             yield self._to_pb(message)
+
+
+async def loads(stats: Callable[[], EngineStats], interval_s: float,
+                draining: Draining) -> AsyncIterator[EngineStats]:
+    """A loads-only subscriber's reports: the load at the start, then on a change at most once
+    per `interval_s` while requests are in flight, and at least every HEARTBEAT_INTERVALS
+    intervals, until the worker drains.
+
+    While no request is in flight the load hardly moves (a prefill worker's leases expire), so
+    the loop sleeps until a request comes, the drain begins or the heartbeat is due, instead of
+    waking every interval to find nothing new (each wake-up of an idle worker costs CPU)."""
+    heartbeat_s = HEARTBEAT_INTERVALS * interval_s
+    sent, sent_at = stats(), time.monotonic()
+    yield sent
+    while not draining.active:
+        if draining.num_in_flight:
+            await asyncio.sleep(interval_s)
+        else:
+            await draining.wait_for_work(max(sent_at + heartbeat_s - time.monotonic(), 0.0))
+            if draining.active:
+                return
+        now = time.monotonic()
+        if now - sent_at < interval_s:
+            continue  # a request came right after a report: sample it an interval later
+        load = stats()
+        if load != sent or now - sent_at >= heartbeat_s:
+            sent, sent_at = load, now
+            yield load

@@ -59,6 +59,8 @@ class Draining:
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Set while a request is in flight or once the drain began (see wait_for_work).
+        self._working = asyncio.Event()
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -72,11 +74,25 @@ class Draining:
         """One more request in flight (pair with leave(); tracking() does both)."""
         self.num_in_flight += 1
         self._idle.clear()
+        self._working.set()
 
     def leave(self) -> None:
         self.num_in_flight -= 1
         if not self.num_in_flight:
             self._idle.set()
+            if not self.active:
+                self._working.clear()
+
+    def begin(self) -> None:
+        """Shutdown began: servicers refuse new work from now on."""
+        self.active = True
+        self._working.set()
+
+    async def wait_for_work(self, timeout_s: float) -> None:
+        """Returns once a request is in flight or the drain began, or after `timeout_s` (for
+        periodic work that has nothing to do while the service is idle)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._working.wait(), timeout_s)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request RPC is in flight (now or within `timeout_s`)."""
@@ -204,7 +220,7 @@ class GrpcService:
 
     async def shutdown(self) -> None:
         log.info("draining", extra={"grace_s": self.options.grace_s})
-        self.draining.active = True
+        self.draining.begin()
         await self.health.close()
         # Other listeners drain at the same time, so the whole drain fits one grace period.
         drained, *_ = await asyncio.gather(self.draining.wait_idle(self.options.grace_s),
