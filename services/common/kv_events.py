@@ -1,17 +1,16 @@
 """KvEvents servicer: a worker's KV event log and load, streamed to routers."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from tandem.engines.base import Engine
 from tandem.engines.types import EngineStats
 from tandem.kv.event_log import EventLog
-from tandem.kv.subscription import HEARTBEAT_INTERVALS, Batch, Message, Resync, subscribe
+from tandem.kv.subscription import Batch, Message, Resync, subscribe, subscribe_loads
 from tandem.runtime import convert
 from tandem.runtime.server import Draining
 from tandem.v1 import kv_events_pb2 as pb
@@ -65,7 +64,8 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
     async def Subscribe(self, request: pb.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventsMessage]:
         if request.loads_only:
-            async for load in loads(self.engine.stats, self.load_interval_s, self.draining):
+            async for load in subscribe_loads(self.engine.stats, self.load_interval_s,
+                                              self.draining):
                 yield self._to_pb(load)
             return
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -76,30 +76,3 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
                                        self.batch_s):
             yield self._to_pb(message)
 
-
-async def loads(stats: Callable[[], EngineStats], interval_s: float,
-                draining: Draining) -> AsyncIterator[EngineStats]:
-    """A loads-only subscriber's reports: the load at the start, then on a change at most once
-    per `interval_s` while requests are in flight, and at least every HEARTBEAT_INTERVALS
-    intervals, until the worker drains.
-
-    While no request is in flight the load hardly moves (a prefill worker's leases expire), so
-    the loop sleeps until a request comes, the drain begins or the heartbeat is due, instead of
-    waking every interval to find nothing new (each wake-up of an idle worker costs CPU)."""
-    heartbeat_s = HEARTBEAT_INTERVALS * interval_s
-    sent, sent_at = stats(), time.monotonic()
-    yield sent
-    while not draining.active:
-        if draining.num_in_flight:
-            await asyncio.sleep(interval_s)
-        else:
-            await draining.wait_for_work(max(sent_at + heartbeat_s - time.monotonic(), 0.0))
-            if draining.active:
-                return
-        now = time.monotonic()
-        if now - sent_at < interval_s:
-            continue  # a request came right after a report: sample it an interval later
-        load = stats()
-        if load != sent or now - sent_at >= heartbeat_s:
-            sent, sent_at = load, now
-            yield load

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tandem.engines.types import BlockStored, EngineStats, KvEvent
 from tandem.kv.event_log import EventLog
@@ -81,28 +82,19 @@ class _LoadPacer:
 async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
                     start_sequence: int | None, epoch: int | None, load_interval_s: float,
                     is_closing: Callable[[], bool], batch_s: float = 0.0,
-                    events: bool = True) -> AsyncIterator[Message]:
+                    ) -> AsyncIterator[Message]:
     """Yields the subscriber's messages until `is_closing()` (checked each load interval).
 
     Events go out at most once per `batch_s`: once a step's events arrive, those of the steps
     that follow within `batch_s` join them in one message (every gRPC message costs a wake-up
     of both processes; an engine that steps every millisecond would otherwise send a message
-    per step to every subscriber). Without `events`, only load reports (a subscriber that keeps
-    no prefix index).
+    per step to every subscriber). A subscriber that keeps no prefix index takes
+    `subscribe_loads` instead.
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
     `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
     that a subscriber's estimate built between reports never drifts for long.
     """
-    if not events:
-        pacer = _LoadPacer(stats, load_interval_s)
-        yield pacer.sent
-        while not is_closing():
-            await asyncio.sleep(load_interval_s)
-            load = pacer.due()
-            if load is not None:
-                yield load
-        return
     if start_sequence is None or (epoch is not None and epoch != log.epoch):
         last, first = _resync(log)
         pending: list[Message] = [first]
@@ -124,5 +116,42 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         for message in pending:
             yield message
         load = pacer.due()
+        if load is not None:
+            yield load
+
+
+class Activity(Protocol):
+    """What a loads-only subscription needs of its service (tandem.runtime.server.Draining)."""
+
+    #: Requests in flight now.
+    num_in_flight: int
+    #: The service drains: subscriptions end.
+    active: bool
+
+    async def wait_for_work(self, timeout_s: float) -> None:
+        """Returns once a request is in flight or the drain began, or after `timeout_s`."""
+
+
+async def subscribe_loads(stats: Callable[[], EngineStats], interval_s: float,
+                          activity: Activity) -> AsyncIterator[EngineStats]:
+    """A loads-only subscriber's reports (one that keeps no prefix index: a frontend's local
+    router over round-robin or least-loaded pools): the load at the start, then on a change at
+    most once per `interval_s` while requests are in flight, and at least every
+    HEARTBEAT_INTERVALS intervals, until the service drains.
+
+    While no request is in flight the load hardly moves (a prefill worker's leases expire), so
+    the loop sleeps until a request comes, the drain begins or the heartbeat is due, instead of
+    waking every interval to find nothing new (each wake-up of an idle worker costs CPU)."""
+    pacer = _LoadPacer(stats, interval_s)
+    yield pacer.sent
+    heartbeat_s = HEARTBEAT_INTERVALS * interval_s
+    while not activity.active:
+        if activity.num_in_flight:
+            await asyncio.sleep(interval_s)
+        else:
+            await activity.wait_for_work(max(pacer.sent_at + heartbeat_s - time.monotonic(), 0.0))
+            if activity.active:
+                return
+        load = pacer.due()  # a request that came right after a report: sampled an interval later
         if load is not None:
             yield load

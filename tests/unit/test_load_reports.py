@@ -1,14 +1,13 @@
-"""A loads-only KvEvents subscriber's reports (services.common.kv_events.loads): prompt while
-requests run, no polling while the worker is idle, the heartbeat, the drain."""
+"""A loads-only KvEvents subscriber's reports (tandem.kv.subscription.subscribe_loads): prompt
+while requests run, no polling while the worker is idle, the heartbeat, the drain."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
 
-from services.common.kv_events import loads
 from tandem.engines.types import EngineStats
-from tandem.kv.subscription import HEARTBEAT_INTERVALS
+from tandem.kv.subscription import HEARTBEAT_INTERVALS, subscribe_loads
 from tandem.runtime.server import Draining
 
 INTERVAL_S = 0.05
@@ -35,7 +34,7 @@ class Load:
 
 async def collect(reports: asyncio.Queue[tuple[float, EngineStats]], load: Load,
                   draining: Draining) -> None:
-    async for stats in loads(load, INTERVAL_S, draining):
+    async for stats in subscribe_loads(load, INTERVAL_S, draining):
         await reports.put((time.monotonic(), stats))
 
 

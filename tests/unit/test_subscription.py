@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from tandem.engines.types import BlockRemoved, BlockStored, EngineStats
 from tandem.kv.event_log import EventLog
-from tandem.kv.subscription import Batch, Resync, subscribe
+from tandem.kv.subscription import Batch, Resync, subscribe, subscribe_loads
+from tandem.runtime.server import Draining
 
 IDLE = EngineStats(0, 0, 0, 64, 0, 0, 0.0)
 
@@ -112,10 +113,11 @@ async def test_loads_only_sends_no_event() -> None:
     log = filled_log()
     current = [IDLE]
     received: list = []
+    activity = Draining()
+    activity.enter()  # a request in flight: reports are due each interval
 
     async def consume() -> None:
-        async for message in subscribe(log, lambda: current[0], None, None, 0.01,
-                                       lambda: False, events=False):
+        async for message in subscribe_loads(lambda: current[0], 0.01, activity):
             received.append(message)
             if message.num_running == 1:
                 break
