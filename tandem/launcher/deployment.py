@@ -3,7 +3,6 @@ starts it as local processes; compose and Kubernetes describe the same topology.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import socket
 import sys
@@ -23,6 +22,7 @@ from tandem.launcher.served_models import (
 from tandem.launcher.supervisor import RESTART_POLICIES
 from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
+from tandem.runtime.cores import usable_cores
 from tandem.runtime.progress import WatchdogConfig
 from tandem.runtime.tls import TlsConfig
 
@@ -332,11 +332,7 @@ def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
 def auto_frontend_processes() -> int:
     """Frontend processes when none are asked for: one per 4 cores this process may run on,
     at most 4 (so 1 on a machine of fewer than 8 cores)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores // 4))
+    return max(1, min(4, usable_cores() // 4))
 
 
 def _free_ports(host: str, n: int) -> list[int]:

@@ -13,10 +13,10 @@ import pytest
 from services.frontend.main import FrontendConfig
 from services.frontend.supervisor import child_argv
 from tandem.errors import InvalidRequest
-from tandem.launcher import deployment
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes
 from tandem.launcher.up import Topology
 from tandem.runtime import config as config_lib
+from tandem.runtime import cores as cores_module
 from tandem.runtime.tls import TlsConfig
 
 
@@ -60,7 +60,7 @@ def test_negative_processes_are_refused(tmp_path: pathlib.Path) -> None:
 def test_zero_processes_means_one_per_four_cores(tmp_path: pathlib.Path,
                                                  monkeypatch: pytest.MonkeyPatch, cores: int,
                                                  expected: int) -> None:
-    monkeypatch.setattr(deployment.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(cores_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
     frontends = [p for p in processes(Deployment(engine="mock"), tmp_path)
                  if p.name.startswith("frontend")]
     assert len(frontends) == expected
