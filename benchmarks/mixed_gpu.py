@@ -89,7 +89,7 @@ async def closed_loop(engine, isl: int, osl: int, concurrency: int, requests: in
     wall = time.perf_counter() - start
     fig = {"tps": tokens / wall, "wall_s": wall, "ttft_p50": pct(ttft, 50),
            "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
-           "request_itl_p50": pct(per_request, 50)}
+           "request_itl_p50": pct(per_request, 50), "ttft_ms": [round(t, 2) for t in ttft]}
     return fig
 
 

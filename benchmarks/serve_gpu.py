@@ -16,6 +16,12 @@ One process, meant for one device call:
 5. Prints a markdown table (served vs the engine at B = C: efficiency = served output tokens/s
    over the engine's) and writes it with every figure as JSON into --out ($OUT by default).
 
+Disaggregated on the same GPU (one prefill and one decode worker, KV over NIXL: carry the
+`nixl/` folder that benchmarks/gpu_wheelhouse.sh builds): `--variant disagg " --disagg
+--prefill-ports 18300"` (flags after a space, or argparse takes them for its own).
+`--engine-after` runs the engine alone again at one stream after the stack, because its TTFT
+there moves between calls by more than the 10% the comparison asks for.
+
     PYTHONPATH=. python3 benchmarks/serve_gpu.py            # on a CUDA machine (~6 min)
     PYTHONPATH=. python3 benchmarks/serve_gpu.py --smoke    # tiny model on the CPU
 """
@@ -40,11 +46,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # noqa: E402
 
-#: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (3 and 4 at one stream).
-GRID = {(200, 200): [(1, 4), (16, 32), (64, 128), (128, 256)],
+#: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (12 and 6 at one stream).
+GRID = {(200, 200): [(1, 12), (16, 32), (64, 128), (128, 256)],
         (1000, 200): [(64, 128)],
-        (1000, 1000): [(1, 3), (16, 32), (64, 128), (128, 256)]}
-SMOKE_GRID = {(24, 12): [(2, 4)]}
+        (1000, 1000): [(1, 6), (16, 32), (64, 128), (128, 256)]}
+SMOKE_GRID = {(24, 12): [(1, 3), (2, 4)]}
 DEMO_VOCAB = 4096
 
 
@@ -136,15 +142,18 @@ async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
     return out
 
 
-def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace) -> dict:
-    """Runs `offline` in its own process, so that the GPU is whole again for the server."""
+def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace,
+                          concurrency: list[int] | None = None) -> dict:
+    """Runs `offline` in its own process, so that the GPU is whole again for the server
+    (`concurrency`: only those points, else --concurrency's)."""
+    concurrency = concurrency or args.concurrency
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "offline.json"
         argv = [sys.executable, __file__, "--phase-offline", str(out), "--model", str(model)]
         argv += ["--smoke"] if args.smoke else []
         argv += ["--no-warmup"] if args.no_warmup else []
         argv += ["--only", args.only] if args.only else []
-        argv += ["--concurrency", *map(str, args.concurrency)] if args.concurrency else []
+        argv += ["--concurrency", *map(str, concurrency)] if concurrency else []
         subprocess.run(argv, check=True)
         return json.loads(out.read_text())
 
@@ -271,7 +280,7 @@ async def one_request(session, url: str, text: str, osl: int) -> dict:
             "max_tokens": osl, "ignore_eos": True, "stream": True, "temperature": 0.0,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first = last = None
+    first = last = first_event = None
     chunks: list[float] = []
     usage = {}
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -288,6 +297,8 @@ async def one_request(session, url: str, text: str, osl: int) -> dict:
             event = json.loads(data)
             if event.get("usage"):
                 usage = event["usage"]
+            if first_event is None and event.get("choices"):
+                first_event = now  # the role delta: written with the first token, text or not
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     first = first if first is not None else now
@@ -297,7 +308,9 @@ async def one_request(session, url: str, text: str, osl: int) -> dict:
     out_tokens = usage.get("completion_tokens", 0)
     if first is None or out_tokens == 0:
         return {"error": f"no tokens (usage {usage})"}
+    assert first_event is not None
     return {"ttft": 1000 * (first - start), "e2e": done - start, "tokens": out_tokens,
+            "first_event": 1000 * (first_event - start),
             "prompt_tokens": usage.get("prompt_tokens", 0),
             "itl": 1000 * (last - first) / max(1, out_tokens - 1),
             "gaps": [1000 * (b - a) for a, b in zip(chunks, chunks[1:])]}
@@ -323,6 +336,7 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
     good = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in good]
+    first_event = [r["first_event"] for r in good]
     itl = [r["itl"] for r in good]
     gaps = [g for r in good for g in r["gaps"]]
     return {"requests": n, "ok": len(good), "errors": len(errors), "first_error": errors[:1],
@@ -330,6 +344,8 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
             "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in good)
             if good else 0,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "first_event_p50": pct(first_event, 50), "ttft_ms": [round(t, 2) for t in ttft],
+            "late_text": sum(r["ttft"] > r["first_event"] + 1.0 for r in good),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
             "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
 
@@ -366,8 +382,9 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
                     profiles.stop()
             out[key] = fig
             print(f"served {key} x{n}: {fig['tps']:,.0f} tok/s, TTFT p50/p99 "
-                  f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms, ITL p50/p99 "
-                  f"{fig['itl_p50']:.2f}/{fig['itl_p99']:.2f} ms, prompt "
+                  f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms (first event p50 "
+                  f"{fig['first_event_p50']:.1f} ms; text a step late in {fig['late_text']}), "
+                  f"ITL p50/p99 {fig['itl_p50']:.2f}/{fig['itl_p99']:.2f} ms, prompt "
                   f"{fig['prompt_tokens_mean']:.0f} tok, errors {fig['errors']} "
                   f"{fig['first_error']} ({fig['wall_s']:.1f} s)", flush=True)
     return out
@@ -380,9 +397,10 @@ def table(grid: dict, engine: dict, stack: dict) -> str:
     median time between a stream's tokens, against the engine's step p50 (batch)."""
     rows = ["| ISL/OSL | streams | requests | served tok/s | engine tok/s batch / closed | "
             "efficiency (batch / closed) | TTFT p50 ms served / engine closed / batch | "
+            "first event p50 ms (requests whose text came later) | "
             "TTFT p99 ms served / closed | ITL p50 per request ms served / closed | "
             "gap p50 ms served / engine step | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (isl, osl), points in grid.items():
         for conc, n in points:
             key = f"{isl}/{osl}/{conc}"
@@ -390,13 +408,13 @@ def table(grid: dict, engine: dict, stack: dict) -> str:
             c = e.get("closed", {})
             if not s or s.get("skipped") or not c:
                 rows.append(f"| {isl}/{osl} | {conc} | {n} | skipped | "
-                            f"{e.get('tps', float('nan')):,.0f} | | | | | | |")
+                            f"{e.get('tps', float('nan')):,.0f} | | | | | | | |")
                 continue
             rows.append(
                 f"| {isl}/{osl} | {conc} | {n} | {s['tps']:,.0f} | {e['tps']:,.0f} / "
                 f"{c['tps']:,.0f} | {s['tps'] / e['tps']:.0%} / {s['tps'] / c['tps']:.0%} | "
                 f"{s['ttft_p50']:.1f} / {c['ttft_p50']:.1f} / {e['ttft_p50']:.1f} | "
-                f"{s['ttft_p99']:.1f} / {c['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
+                f"{s['first_event_p50']:.1f} ({s['late_text']}) | {s['ttft_p99']:.1f} / {c['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
                 f"{c['request_itl_p50']:.2f} | {s['chunk_gap_p50']:.2f} / {e['step_p50']:.2f} | "
                 f"{s['errors']} |")
     return "\n".join(rows)
@@ -421,7 +439,11 @@ def main() -> None:
                         "(py-spy on PATH; raw stacks into --out)")
     parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "ARGS"),
                         help="serve the grid once per variant: a name and `tandem up` flags "
-                        "added to the defaults (repeatable; default: one, no flags)")
+                        "added to the defaults, after a leading space (repeatable; default: "
+                        "one, no flags)")
+    parser.add_argument("--engine-after", action="store_true",
+                        help="run the engine alone again after the stack, at one stream: its "
+                        "TTFT there varies between calls more than the stack's does")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -472,6 +494,12 @@ def main() -> None:
         result["served"][name] = stack
         result["seconds"][f"stack_start {name}"] = time.monotonic() - start
         tables.append((name, extra, table(grid, engine, stack)))
+    if args.engine_after and any(c == 1 for points in grid.values() for c, _ in points):
+        result["engine_after"] = after = offline_in_subprocess(model, args, [1])
+        for key, fig in after.items():
+            print(f"engine after the stack, {key}: TTFT p50 closed loop "
+                  f"{fig['closed']['ttft_p50']:.1f} ms (before: "
+                  f"{engine[key]['closed']['ttft_p50']:.1f} ms)", flush=True)
     result["seconds"]["total"] = time.monotonic() - began
     result["tables"] = {name: text for name, _, text in tables}
     (out_dir / "serve_gpu.json").write_text(json.dumps(result, indent=1))
