@@ -72,7 +72,6 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
         epoch = request.epoch if request.HasField("epoch") else None
         # Subscriptions end when the worker drains, so they never hold its shutdown open.
         async for message in subscribe(self.event_log, self.engine.stats, start, epoch,
-                                       self.load_interval_s, lambda: self.draining.active,
-                                       self.batch_s):
+                                       self.load_interval_s, self.draining, self.batch_s):
             yield self._to_pb(message)
 

@@ -33,7 +33,7 @@ class VideoLoadServicer(kv_events_pb2_grpc.KvEventsServicer):
         start = request.start_sequence if request.HasField("start_sequence") else None
         epoch = request.epoch if request.HasField("epoch") else None
         async for message in subscribe(self.event_log, self.runner.stats, start, epoch,
-                                       self.load_interval_s, lambda: self.draining.active):
+                                       self.load_interval_s, self.draining):
             if isinstance(message, EngineStats):
                 yield pb.KvEventsMessage(load=convert.load_to_pb(
                     self.worker_id, message, int(time.time() * 1000)))

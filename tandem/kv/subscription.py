@@ -78,12 +78,50 @@ class _LoadPacer:
         self.sent, self.sent_at = load, now
         return load
 
+    def idle_wait_s(self) -> float:
+        """How long a subscription of an idle worker may sleep: until a change not reported
+        yet may go out, else until the heartbeat."""
+        intervals = 1 if self.stats() != self.sent else HEARTBEAT_INTERVALS
+        return max(self.sent_at + intervals * self.interval_s - time.monotonic(), 0.0)
+
+
+class Activity(Protocol):
+    """What a subscription needs of its service (tandem.runtime.server.Draining)."""
+
+    #: Requests in flight now.
+    num_in_flight: int
+    #: The service drains: subscriptions end.
+    active: bool
+
+    async def wait_for_work(self, timeout_s: float) -> None:
+        """Returns once a request is in flight or the drain began, or after `timeout_s`."""
+
+
+async def _wait_for_events(log: EventLog, last: int, timeout_s: float,
+                           activity: Activity) -> bool:
+    """Waits for events beyond `last` (then True) or `timeout_s`; while the service is idle,
+    also for a request or the drain (whichever comes first ends the wait)."""
+    if activity.num_in_flight:
+        try:
+            await asyncio.wait_for(log.wait_beyond(last), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+    events = asyncio.ensure_future(log.wait_beyond(last))
+    work = asyncio.ensure_future(activity.wait_for_work(timeout_s))
+    try:
+        await asyncio.wait((events, work), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        arrived = events.done() and not events.cancelled()
+        events.cancel()
+        work.cancel()
+    return arrived
+
 
 async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
                     start_sequence: int | None, epoch: int | None, load_interval_s: float,
-                    is_closing: Callable[[], bool], batch_s: float = 0.0,
-                    ) -> AsyncIterator[Message]:
-    """Yields the subscriber's messages until `is_closing()` (checked each load interval).
+                    activity: Activity, batch_s: float = 0.0) -> AsyncIterator[Message]:
+    """Yields the subscriber's messages until the service drains (`activity.active`).
 
     Events go out at most once per `batch_s`: once a step's events arrive, those of the steps
     that follow within `batch_s` join them in one message (every gRPC message costs a wake-up
@@ -93,7 +131,9 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
     `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
-    that a subscriber's estimate built between reports never drifts for long.
+    that a subscriber's estimate built between reports never drifts for long. While no request
+    is in flight the loop does not wake each interval to find nothing new: it waits for events,
+    a request, the drain or the next report due (as `subscribe_loads` does).
     """
     if start_sequence is None or (epoch is not None and epoch != log.epoch):
         last, first = _resync(log)
@@ -104,32 +144,18 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         yield message
     pacer = _LoadPacer(stats, load_interval_s)
     yield pacer.sent
-    while not is_closing():
-        try:
-            await asyncio.wait_for(log.wait_beyond(last), load_interval_s)
-        except asyncio.TimeoutError:
-            pass  # no events this interval; the load may still have changed
-        else:
-            if batch_s > 0:
-                await asyncio.sleep(batch_s)
+    while not activity.active:
+        timeout_s = load_interval_s if activity.num_in_flight else pacer.idle_wait_s()
+        if await _wait_for_events(log, last, timeout_s, activity) and batch_s > 0:
+            await asyncio.sleep(batch_s)
+        if activity.active:
+            return
         last, pending = _catch_up(log, last + 1)
         for message in pending:
             yield message
         load = pacer.due()
         if load is not None:
             yield load
-
-
-class Activity(Protocol):
-    """What a loads-only subscription needs of its service (tandem.runtime.server.Draining)."""
-
-    #: Requests in flight now.
-    num_in_flight: int
-    #: The service drains: subscriptions end.
-    active: bool
-
-    async def wait_for_work(self, timeout_s: float) -> None:
-        """Returns once a request is in flight or the drain began, or after `timeout_s`."""
 
 
 async def subscribe_loads(stats: Callable[[], EngineStats], interval_s: float,
@@ -144,12 +170,11 @@ async def subscribe_loads(stats: Callable[[], EngineStats], interval_s: float,
     waking every interval to find nothing new (each wake-up of an idle worker costs CPU)."""
     pacer = _LoadPacer(stats, interval_s)
     yield pacer.sent
-    heartbeat_s = HEARTBEAT_INTERVALS * interval_s
     while not activity.active:
         if activity.num_in_flight:
             await asyncio.sleep(interval_s)
         else:
-            await activity.wait_for_work(max(pacer.sent_at + heartbeat_s - time.monotonic(), 0.0))
+            await activity.wait_for_work(pacer.idle_wait_s())
             if activity.active:
                 return
         load = pacer.due()  # a request that came right after a report: sampled an interval later

@@ -1,13 +1,17 @@
-"""A loads-only KvEvents subscriber's reports (tandem.kv.subscription.subscribe_loads): prompt
-while requests run, no polling while the worker is idle, the heartbeat, the drain."""
+"""A KvEvents subscriber's load reports, loads-only (tandem.kv.subscription.subscribe_loads)
+and with events (subscribe): prompt while requests run, no polling while the worker is idle, the
+heartbeat, the drain; events reach an idle subscription at once."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
 
-from tandem.engines.types import EngineStats
-from tandem.kv.subscription import HEARTBEAT_INTERVALS, subscribe_loads
+import pytest
+
+from tandem.engines.types import BlockStored, EngineStats
+from tandem.kv.event_log import EventLog
+from tandem.kv.subscription import HEARTBEAT_INTERVALS, Batch, subscribe, subscribe_loads
 from tandem.runtime.server import Draining
 
 INTERVAL_S = 0.05
@@ -33,14 +37,24 @@ class Load:
 
 
 async def collect(reports: asyncio.Queue[tuple[float, EngineStats]], load: Load,
-                  draining: Draining) -> None:
-    async for stats in subscribe_loads(load, INTERVAL_S, draining):
-        await reports.put((time.monotonic(), stats))
+                  draining: Draining, kind: str = "loads", log: EventLog | None = None) -> None:
+    """Puts (arrival, report) for each load report of a `kind` subscription ("loads": loads
+    only; "events": with the KV events of `log`, which go into the queue as they are)."""
+    if kind == "loads":
+        async for stats in subscribe_loads(load, INTERVAL_S, draining):
+            await reports.put((time.monotonic(), stats))
+        return
+    async for message in subscribe(log or EventLog(100), load, 1, None, INTERVAL_S, draining):
+        await reports.put((time.monotonic(), message))  # type: ignore[arg-type]
 
 
-async def test_idle_worker_reports_only_the_heartbeat_and_reads_its_load_rarely() -> None:
+KINDS = pytest.mark.parametrize("kind", ["loads", "events"])
+
+
+@KINDS
+async def test_idle_worker_reports_only_the_heartbeat_and_reads_its_load_rarely(kind: str) -> None:
     load, draining, reports = Load(), Draining(), asyncio.Queue()
-    task = asyncio.create_task(collect(reports, load, draining))
+    task = asyncio.create_task(collect(reports, load, draining, kind))
     try:
         _, first = await reports.get()
         assert first == load.stats
@@ -53,9 +67,10 @@ async def test_idle_worker_reports_only_the_heartbeat_and_reads_its_load_rarely(
         task.cancel()
 
 
-async def test_a_request_is_reported_within_an_interval_or_two_then_its_end() -> None:
+@KINDS
+async def test_a_request_is_reported_within_an_interval_or_two_then_its_end(kind: str) -> None:
     load, draining, reports = Load(), Draining(), asyncio.Queue()
-    task = asyncio.create_task(collect(reports, load, draining))
+    task = asyncio.create_task(collect(reports, load, draining, kind))
     try:
         await reports.get()
         await asyncio.sleep(HEARTBEAT_S / 4)  # idle for a while: the loop waits, not polls
@@ -73,10 +88,26 @@ async def test_a_request_is_reported_within_an_interval_or_two_then_its_end() ->
         task.cancel()
 
 
-async def test_the_drain_ends_an_idle_subscription_at_once() -> None:
+@KINDS
+async def test_the_drain_ends_an_idle_subscription_at_once(kind: str) -> None:
     load, draining, reports = Load(), Draining(), asyncio.Queue()
-    task = asyncio.create_task(collect(reports, load, draining))
+    task = asyncio.create_task(collect(reports, load, draining, kind))
     await reports.get()
     await asyncio.sleep(INTERVAL_S)
     draining.begin()
     await asyncio.wait_for(task, HEARTBEAT_S / 4)
+
+
+async def test_events_reach_an_idle_subscription_at_once() -> None:
+    load, draining, reports, log = Load(), Draining(), asyncio.Queue(), EventLog(100)
+    task = asyncio.create_task(collect(reports, load, draining, "events", log))
+    try:
+        await reports.get()
+        await asyncio.sleep(HEARTBEAT_S / 4)  # idle: the loop waits for events, not polls
+        stored = BlockStored((7,), None, (1, 2), 2)
+        log.append([stored])
+        appended = time.monotonic()
+        at, batch = await asyncio.wait_for(reports.get(), HEARTBEAT_S / 2)
+        assert batch == Batch(1, (stored,)) and at - appended < INTERVAL_S
+    finally:
+        task.cancel()

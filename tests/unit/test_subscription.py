@@ -27,7 +27,7 @@ def filled_log(capacity: int = 100) -> EventLog:
 async def take(n: int, log: EventLog, start: int | None, epoch: int | None = None,
                stats=lambda: IDLE, interval: float = 0.01) -> list:
     out: list = []
-    async for message in subscribe(log, stats, start, epoch, interval, lambda: False):
+    async for message in subscribe(log, stats, start, epoch, interval, Draining()):
         out.append(message)
         if len(out) == n:
             break
@@ -73,7 +73,7 @@ async def test_live_batches_follow_and_load_only_when_it_changes() -> None:
 
     async def consume() -> None:
         async for message in subscribe(log, lambda: current[0], 4, log.epoch, 0.01,
-                                       lambda: False):
+                                       Draining()):
             received.append(message)
             if isinstance(message, EngineStats) and message.num_running == 1:
                 break
@@ -92,7 +92,7 @@ async def test_steps_within_the_batch_time_go_out_in_one_message() -> None:
     received: list = []
 
     async def consume() -> None:
-        async for message in subscribe(log, lambda: IDLE, 4, log.epoch, 10.0, lambda: False,
+        async for message in subscribe(log, lambda: IDLE, 4, log.epoch, 10.0, Draining(),
                                        batch_s=0.05):
             received.append(message)
             if isinstance(message, Batch):
