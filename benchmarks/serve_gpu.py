@@ -203,19 +203,15 @@ def stop_stack(proc: subprocess.Popen) -> None:
 
 
 def stage_pids(root: int) -> dict[str, int]:
-    """The `tandem serve <stage>` children of `root` (tandem up), by stage."""
+    """One process of each Tandem stage under `root` (tandem up), by stage: "frontend",
+    "router", "decode", ... (benchmarks._procstats names them)."""
+    from benchmarks._procstats import label_processes
+
     found: dict[str, int] = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == root and b"serve" in argv and b"tandem.cli" in argv:
-            stage = argv[argv.index(b"serve") + 1].decode()
-            found.setdefault(stage, int(entry.name))
+    for pid, name in sorted(label_processes(root).items()):
+        kind, _, stage = name.partition(" ")
+        if kind == "tandem" and stage != "up":
+            found.setdefault(stage.split("[")[0], pid)
     return found
 
 
