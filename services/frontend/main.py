@@ -310,6 +310,7 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
     model = ModelInfo(served.name or model_dir.name,
                       served.max_seq_len or model_config.max_position_embeddings, served.kind)
     tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer.warm()
     placeholders = ImagePlaceholders.from_dir(model_dir)
     media = MediaFetcher(config.media) if placeholders is not None else None
     metrics = (FrontendMetrics(model.name) if root_metrics is None

@@ -12,6 +12,7 @@ by transformers, which caches the compiled template.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -205,6 +206,15 @@ class Tokenizer:
             raise InvalidRequest("the chat template did not render a single prompt",
                                  param="messages")
         return text
+
+    def warm(self) -> None:
+        """Compiles the chat template and runs the tokenizer both ways once, at start, so
+        that the first request does not pay for them (the demo template's first render takes
+        ~8 ms, the next ~0.1 ms). A template that rejects a lone user message is left cold."""
+        if self.has_chat_template:
+            with contextlib.suppress(InvalidRequest):
+                self.render_chat([{"role": "user", "content": "Hello"}])
+        self.decode(self.encode("Hello", add_special_tokens=False))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> list[int]:

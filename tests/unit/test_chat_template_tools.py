@@ -185,3 +185,21 @@ def test_tandem_up_passes_the_parser_flags_to_the_frontend(tmp_path: pathlib.Pat
     flags = " ".join(frontend_argv)
     assert "--tool-call-parser hermes" in flags and "--reasoning-parser qwen3" in flags
     assert "--tool-call-parser" not in " ".join(processes(Deployment(), tmp_path)[-1].argv)
+
+
+SYSTEM_FIRST = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message "
+                "must come first') }}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
+                "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                "{% endif %}")
+
+
+def test_warming_up_leaves_a_template_that_refuses_a_lone_user_message_to_the_request(
+        tmp_path: pathlib.Path) -> None:
+    # What build_frontend runs at start must never stop a frontend whose template has rules.
+    tokenizer = Tokenizer.from_dir(model_dir(tmp_path, SYSTEM_FIRST))
+    tokenizer.warm()
+    with pytest.raises(InvalidRequest, match="system message must come first"):
+        tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    assert tokenizer.render_chat([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi"}]) == (
+        "<|system|>Be brief.<|user|>Hi<|assistant|>")
