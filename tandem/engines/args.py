@@ -42,7 +42,8 @@ class EngineArgs:
     # == KV cache ==
     #: Tokens per KV block (the router's and frontend's block size must match).
     kv_block_size: int = field(default=32, metadata={"flag": "--kv-block-size"})
-    #: KV pool size in blocks; 0: derived (reference: from the memory budget below; mock: 16384).
+    #: KV pool size in blocks; 0: derived (reference: from the memory budget below; mock:
+    #: Dynamo's mocker default capacity, 1,048,576 tokens, i.e. 32768 blocks of 32).
     num_gpu_blocks: int = field(default=0, metadata={"flag": "--num-gpu-blocks-override"})
     #: Reference engine on CUDA: fraction (0-1) of the GPU memory free after loading the
     #: weights that the KV pool takes.

@@ -64,7 +64,8 @@ async def make_engine(tiny_model: str) -> AsyncIterator:
     engines: list[MockEngine] = []
 
     async def make(start: bool = True, **overrides: object) -> MockEngine:
-        args = EngineArgs(model=tiny_model, kv_block_size=BS, speedup_ratio=0, **overrides)
+        args = EngineArgs(**{"model": tiny_model, "kv_block_size": BS, "speedup_ratio": 0,
+                             **overrides})  # type: ignore[arg-type]
         engine = create_mock_engine(args)
         if start:
             await engine.start()
@@ -124,6 +125,14 @@ def test_dynamo_161_figures_at_concurrency_1() -> None:
     assert timing.step_seconds(200, None, capacity, 1.0) * 1000 == pytest.approx(19.554948)
     itls = [timing.step_seconds(0, 200 + k, capacity, 1.0) * 1000 for k in range(1, 200)]
     assert sum(itls) / len(itls) == pytest.approx(5.755450, abs=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+async def test_default_pool_holds_dynamos_default_capacity(make_engine, block_size: int) -> None:
+    # Dynamo 1.6.1's mocker: 16384 blocks of 64 tokens; a pass's decode time depends on the
+    # share of that capacity in use, so Tandem's pool holds the same tokens at any block size.
+    engine = await make_engine(kv_block_size=block_size)
+    assert engine.pool.total * engine.pool.block_size == 16384 * 64
 
 
 async def test_engine_times_each_step_as_dynamo_does(make_engine, monkeypatch) -> None:
