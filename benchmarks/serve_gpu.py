@@ -410,8 +410,10 @@ def table(grid: dict, engine: dict, stack: dict) -> str:
                 f"| {isl}/{osl} | {conc} | {n} | {s['tps']:,.0f} | {e['tps']:,.0f} / "
                 f"{c['tps']:,.0f} | {s['tps'] / e['tps']:.0%} / {s['tps'] / c['tps']:.0%} | "
                 f"{s['ttft_p50']:.1f} / {c['ttft_p50']:.1f} / {e['ttft_p50']:.1f} | "
-                f"{s['first_event_p50']:.1f} ({s['late_text']}) | {s['ttft_p99']:.1f} / {c['ttft_p99']:.1f} | {s['itl_p50']:.2f} / "
-                f"{c['request_itl_p50']:.2f} | {s['chunk_gap_p50']:.2f} / {e['step_p50']:.2f} | "
+                f"{s['first_event_p50']:.1f} ({s['late_text']}) | "
+                f"{s['ttft_p99']:.1f} / {c['ttft_p99']:.1f} | "
+                f"{s['itl_p50']:.2f} / {c['request_itl_p50']:.2f} | "
+                f"{s['chunk_gap_p50']:.2f} / {e['step_p50']:.2f} | "
                 f"{s['errors']} |")
     return "\n".join(rows)
 
