@@ -55,6 +55,9 @@ class FrontendMetrics:
         self.migrations = Counter("tandem_frontend_migrations", "Requests moved to another "
                                   "decode worker after their stream broke midway", labels,
                                   registry=r)
+        self.refusals = Counter("tandem_frontend_worker_refusals", "Requests a decode worker "
+                                "refused before it streamed (unavailable, overloaded): the "
+                                "router was asked again without it", labels, registry=r)
         self.token_hops = Histogram(
             "tandem_frontend_token_hop_seconds", "Latency of a streamed token by hop: "
             "engine_to_send (engine step -> decode worker sends the batch), send_to_receive "
@@ -87,6 +90,8 @@ class FrontendMetrics:
         # Exported at 0 from the start (a labelled metric shows only the children it has).
         self.router_fallback.labels(model)
         self.fallback_routes.labels(model)
+        self.refusals.labels(model)
+        self.migrations.labels(model)
         self._local_routes = self.local_routes.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:

@@ -339,6 +339,7 @@ class Pipeline:
                     if num_refusals >= MAX_FALLBACKS:
                         raise
                     num_refusals += 1
+                    self.metrics.refusals.labels(self.metrics.model).inc()
                     log.warning("decode worker refused the request, asking the router again",
                                 extra={"worker": worker.worker_id, "error": exc.message})
                 elif (isinstance(exc, Overloaded)

@@ -68,8 +68,11 @@ REQ = GenerationRequest("r1", [10, 11, 12], SamplingParams(max_tokens=2))
 async def test_refusals_are_excluded_and_the_router_asked_again(tokenizer: Tokenizer) -> None:
     router = ScriptedRouter()
     workers = ScriptedWorkers({"a": Unavailable("a down"), "b": Overloaded("b full")})
-    deltas = [d async for d in pipeline(tokenizer, router, workers).generate(REQ)]
+    served = pipeline(tokenizer, router, workers)
+    deltas = [d async for d in served.generate(REQ)]
     assert [t for d in deltas for t in d.token_ids] == [300, 301]
+    assert served.metrics.registry.get_sample_value("tandem_frontend_worker_refusals_total",
+                                                    {"model": "m"}) == 2
     assert workers.calls == ["a", "b", "c"]
     assert router.excluded == [(), ("a",), ("a", "b")]
     assert {d.worker.worker_id for d in deltas} == {"c"}
