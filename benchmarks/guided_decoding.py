@@ -117,7 +117,7 @@ def padded_vocab() -> None:
 
 async def one_round(engine: BatchingEngine, streams: int, max_tokens: int, guided: bool,
                     tag: str) -> dict:
-    async def run(i: int) -> tuple[int, float | None]:
+    async def run(i: int) -> tuple[int, float | None, list[float]]:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
                                   ignore_eos=not guided, guided=GUIDED if guided else None)
         stream = engine.add_request(EngineRequest(f"{tag}-{i}", (1, 2, 3, 4 + i % 50), sampling))
@@ -128,15 +128,22 @@ async def one_round(engine: BatchingEngine, streams: int, max_tokens: int, guide
                 times.append(time.perf_counter())
                 count += len(chunk.token_ids)
         itl = (times[-1] - times[0]) / (count - 1) if count > 1 and len(times) > 1 else None
-        return count, itl
+        return count, itl, [b - a for a, b in zip(times, times[1:])]
 
     start = time.perf_counter()
     results = await asyncio.gather(*(run(i) for i in range(streams)))
     seconds = time.perf_counter() - start
-    tokens = sum(n for n, _ in results)
-    itls = [itl for _, itl in results if itl is not None]
-    return {"tok/s": tokens / seconds, "itl_ms": 1000 * statistics.median(itls),
-            "tokens/request": tokens / streams}
+    tokens = sum(n for n, _, _ in results)
+    itls = [itl for _, itl, _ in results if itl is not None]
+    gaps = [g for _, _, g in results if len(g) > 1]
+    med = statistics.median
+    return {"tok/s": tokens / seconds, "itl_ms": 1000 * med(itls),
+            "tokens/request": tokens / streams,
+            # Where a request's ITL goes: its first gap, its usual one, and its gaps over
+            # twice its usual (median over requests).
+            "first_gap_ms": 1000 * med(g[0] for g in gaps) if gaps else 0.0,
+            "gap_p50_ms": 1000 * med(med(g) for g in gaps) if gaps else 0.0,
+            "long_gaps": med(sum(x > 2 * med(g) for x in g) for g in gaps) if gaps else 0}
 
 
 def compile_times(model: str, vocab_size: int, eos: frozenset[int]) -> tuple[float, float]:
@@ -223,6 +230,16 @@ async def main_async(args: argparse.Namespace) -> None:
               f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
     if phases is not None:
         print_phases(args.streams, rows)
+        print("\n| streams | mode | ITL ms | first gap ms | gap p50 ms | gaps > 2x p50 |")
+        print("|---|---|---:|---:|---:|---:|")
+        for streams in args.streams:
+            for guided in (False, True):
+                got = rows[(streams, guided)]
+                print(f"| {streams} | {'schema' if guided else 'free'} | "
+                      f"{med(r['itl_ms'] for r in got):.2f} | "
+                      f"{med(r['first_gap_ms'] for r in got):.2f} | "
+                      f"{med(r['gap_p50_ms'] for r in got):.2f} | "
+                      f"{med(r['long_gaps'] for r in got):.0f} |")
     print(f"\ngrammar compile (this schema): cold {1000 * cold:.1f} ms, cached {1000 * cached:.3f} ms")
 
 

@@ -386,6 +386,28 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
     return out
 
 
+def alternate(url: str, model: pathlib.Path, args: argparse.Namespace, grid: dict
+              ) -> list[dict]:
+    """`args.rounds` rounds at one stream, each the engine alone (its own process, beside the
+    idle stack) then the stack: the engine's one-stream TTFT moves between calls, so each
+    round's ratio compares the two minutes apart on one machine."""
+    single = {shape: [p for p in points if p[0] == 1] for shape, points in grid.items()}
+    single = {shape: points for shape, points in single.items() if points}
+    rounds = []
+    for r in range(args.rounds):
+        engine = offline_in_subprocess(model, args, [1])
+        stack = asyncio.run(served(url, single, time.monotonic() + 600, not args.no_warmup))
+        rounds.append({"engine": engine, "stack": stack})
+        for (isl, osl) in single:
+            key = f"{isl}/{osl}/1"
+            e, s = engine[key]["closed"], stack[key]
+            print(f"round {r + 1} {key}: TTFT p50 stack {s['ttft_p50']:.1f} / engine "
+                  f"{e['ttft_p50']:.1f} ms = {s['ttft_p50'] / e['ttft_p50']:.2f}x; ITL p50 "
+                  f"stack {s['itl_p50']:.2f} / engine {e['request_itl_p50']:.2f} ms = "
+                  f"{s['itl_p50'] / e['request_itl_p50']:.2f}x", flush=True)
+    return rounds
+
+
 def table(grid: dict, engine: dict, stack: dict) -> str:
     """Served against the engine in process: all B requests at once ("batch"), and the served
     load itself ("closed": C streams, each sending its next request when the last ends). ITL
@@ -442,6 +464,9 @@ def main() -> None:
     parser.add_argument("--engine-after", action="store_true",
                         help="run the engine alone again after the stack, at one stream: its "
                         "TTFT there varies between calls more than the stack's does")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="then this many more rounds at one stream with the stack still "
+                        "up: the engine alone, the stack, alternating (ratios per round)")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -487,6 +512,8 @@ def main() -> None:
             profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
             stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
                                        profiles))
+            if args.rounds:
+                result.setdefault("rounds", {})[name] = alternate(url, model, args, grid)
         finally:
             stop_stack(proc)
         result["served"][name] = stack
