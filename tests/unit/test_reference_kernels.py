@@ -2,7 +2,7 @@
 inputs (skipped without a GPU; run on the GPU machine): residual add + RMSNorm (also summing an
 MoE layer's slots), RoPE + cache write, paged decode attention (with and without context splits,
 GQA groups, sliding windows, gpt-oss's sinks), SiLU-and-mul, GEMV and skinny GEMM (with biases),
-gpt-oss's MoE kernels. Outputs are poisoned first, so an element left unwritten fails; bf16
+gpt-oss's MoE kernels, the sampler's batched Exp(1) noise. Outputs are poisoned first, so an element left unwritten fails; bf16
 results are compared by relative norm error (METHOD: bf16 lands between 1e-3 and 1e-2)."""
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engines.reference import kernels, moe_kernels
+from tandem.engines.reference import draw_noise, kernels, moe_kernels
 from tandem.engines.reference.attention import decode_attention, write_kv
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import RMSNorm
 from tandem.engines.reference.moe import GptOssMoeBlock
 from tandem.engines.reference.rope import RotaryEmbedding, apply_rope
+from tandem.engines.reference.sampler import draw_seed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None,
                                 reason="needs a CUDA GPU and Triton")
@@ -253,3 +254,31 @@ def test_gpt_oss_moe_kernels(tokens: int) -> None:
         assert rel_err(slots.sum(1), ref) < 1e-2
         assert block.runs_fused(x)
         assert torch.equal(block(x), block.forward_slots(x).sum(1))
+
+
+def test_exponential_rows_are_exp1_and_a_function_of_the_seed_alone() -> None:
+    """The sampler's batched noise: every row is Exp(1) (mean and variance 1, the CDF within
+    a KS bound), a row depends on its seed only (not on its place in the batch or on the
+    other rows), and distinct seeds (also ones past 2^63) give unrelated rows."""
+    cols = 4096 + 7  # a partial last block
+    seeds = [draw_seed(s, p) for s in (0, 1, 2**64 - 1) for p in range(3)]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor([draw_noise.as_int64(v) for v in values], dtype=torch.int64,
+                            device="cuda")
+
+    out = torch.full((len(seeds), cols), float("nan"), device="cuda")
+    draw_noise.exponential_rows(out, as_tensor(seeds))
+    assert not out.isnan().any() and (out > 0).all()
+    flat = out.double().flatten()
+    assert abs(flat.mean().item() - 1) < 0.02 and abs(flat.var().item() - 1) < 0.05
+    ordered = flat.sort().values.cpu()
+    cdf = 1 - torch.exp(-ordered)
+    grid = torch.arange(1, len(ordered) + 1, dtype=torch.float64) / len(ordered)
+    assert (cdf - grid).abs().max().item() < 1.95 / len(ordered) ** 0.5  # KS, p = 0.001
+    alone = torch.empty((1, cols), device="cuda")
+    for i in (0, 4, len(seeds) - 1):
+        draw_noise.exponential_rows(alone, as_tensor([seeds[i]]))
+        assert torch.equal(alone[0], out[i])
+    corr = torch.corrcoef(out.double())
+    assert (corr - torch.eye(len(seeds), device="cuda", dtype=torch.float64)).abs().max() < 0.1

@@ -6,9 +6,10 @@ log_softmax of the RAW logits, before any of that (vLLM's default `raw_logprobs`
 request's grammar mask is applied to the logits before they reach the sampler (as vLLM), so its
 logprobs are those of the masked logits.
 
-Seeded draws are a pure function of (seed, len(output_ids)): every sampled row reseeds one
-generator from a 64-bit mix of both, so a request draws the same token whatever else is in the
-batch and however many draws came before (preemption recomputes). Draws use the exponential race
+Seeded draws are a pure function of (seed, len(output_ids)): every sampled row's noise comes
+from a 64-bit mix of both (a generator reseeded per row on the CPU, Philox keyed by it in one
+kernel on CUDA: `draw_noise`), so a request draws the same token whatever else is in the batch
+and however many draws came before (preemption recomputes). Draws use the exponential race
 (argmax of probs / Exp(1) noise), always over the vocabulary in id order, so the noise a row sees
 does not depend on which filters other rows in the batch asked for.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engines.reference import draw_noise
 from tandem.engines.types import SamplingParams, TokenLogprob, TopLogprob
 
 _MASK = (1 << 64) - 1
@@ -200,17 +202,22 @@ class Sampler:
 
     def noise(self, logits: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor | None:
         """The draws' random part, which the logits' values do not change: one seeded Exp(1)
-        row per drawn (temperature > 0) row, queued on the device (one kernel per row). A
-        step that masks its logits late (guided decoding) queues it before the mask; None
-        when every row is greedy."""
+        row per drawn (temperature > 0) row, queued on the device (on CUDA one kernel for
+        the batch, `draw_noise`; elsewhere one generator fill per row). A step that masks its
+        logits late (guided decoding) queues it before the mask; None when every row is
+        greedy."""
         drawn = [r for r in inputs if r.params.temperature != 0.0]
         if not drawn:
             return None
         # The probabilities' dtype: logits divided by a float32 temperature column.
         dtype = torch.promote_types(logits.dtype, torch.float32)
         noise = torch.empty((len(drawn), logits.shape[-1]), dtype=dtype, device=logits.device)
-        for i, r in enumerate(drawn):
-            self._generator.manual_seed(draw_seed(r.seed, len(r.output_ids)))
+        seeds = [draw_seed(r.seed, len(r.output_ids)) for r in drawn]
+        if draw_noise.serves(noise):  # one kernel for the batch
+            return draw_noise.exponential_rows(
+                noise, self._tensor([draw_noise.as_int64(s) for s in seeds], torch.int64))
+        for i, seed in enumerate(seeds):
+            self._generator.manual_seed(seed)
             noise[i].exponential_(generator=self._generator)
         # Exp(1) can be exactly 0 on some backends; 0/0 would be NaN and poison the argmax.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
