@@ -38,6 +38,8 @@ class _Running:
     stream: RequestStream
     #: The request's server span (tracing.start_span; the no-op span when tracing is off).
     span: Span
+    #: No token sent yet (the span gets a `first_token` event with the first, when traced).
+    before_first: bool = True
 
 
 def _error(exc: BaseException, request_id: str) -> pb.RequestError:
@@ -71,6 +73,7 @@ class WorkerSession:
         self._news_since_ns = 0
         #: The caller sent its last request (half-close) or the call ended.
         self._requests_done = False
+        self._traced = tracing.is_enabled()
 
     @contextlib.asynccontextmanager
     async def reading(self, requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[None]:
@@ -167,6 +170,11 @@ class WorkerSession:
             self._end(request_id, exc)
             item.error.CopyFrom(_error(exc, request_id))
             return
+        if self._traced and chunk.token_ids:
+            running = self._running.get(request_id)
+            if running is not None and running.before_first:
+                running.before_first = False
+                running.span.add_event("first_token")  # where TTFT goes, in the trace
         if chunk.finish_reason is not None:
             running = self._running.get(request_id)
             if running is not None and chunk.usage is not None:

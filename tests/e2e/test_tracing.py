@@ -29,6 +29,7 @@ class Span:
     span_id: str
     parent_id: str
     attributes: dict
+    events: tuple[str, ...]
 
 
 def _value(v: object) -> object:
@@ -52,7 +53,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for scope in resource_spans.scope_spans:
                     self.spans.extend(Span(
                         str(service), s.name, s.kind, s.trace_id.hex(), s.span_id.hex(),
-                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes})
+                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
+                        tuple(e.name for e in s.events))
                         for s in scope.spans)
             self.arrived.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -141,6 +143,7 @@ def test_a_disaggregated_request_is_one_trace_across_services(
 
     decode = one(spans, "tandem-decode", "tandem.v1.Decode/Generate", SERVER)
     assert decode.attributes["gen_ai.usage.output_tokens"] == 6
+    assert decode.events == ("first_token",)  # when the worker sent it: TTFT's split
     # The KV read runs in an engine task, yet belongs to the decode call's span.
     transfer = one(spans, "tandem-decode", "kv_transfer")
     assert transfer.parent_id == decode.span_id
