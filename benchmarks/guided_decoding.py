@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import pathlib
 import random
@@ -32,7 +33,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +53,25 @@ SCHEMA = {"type": "object", "properties": {
     "score": {"type": "integer", "minimum": 0, "maximum": 100}},
     "required": ["summary", "tags", "score"]}
 GUIDED = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
+#: Each round's modes; --no-host-wait adds NO_WAIT.
+MODES: tuple[str, ...] = ("free", "schema")
+NO_WAIT = "schema, loop not waiting"
+
+
+@contextlib.contextmanager
+def loop_waits(wait: bool) -> Iterator[None]:
+    """Whether the engine's loop waits for a guided launch's host work before it builds the
+    next step (the default), or builds it while the grammars work."""
+    from tandem.engines.batching.ahead import StepAhead
+    from tandem.engines.reference.overlap import LaunchedStep
+
+    own = LaunchedStep.host_done
+    if not wait:
+        LaunchedStep.host_done = StepAhead.host_done  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LaunchedStep.host_done = own  # type: ignore[method-assign]
 
 
 class HostTimes:
@@ -178,6 +198,9 @@ async def main_async(args: argparse.Namespace) -> None:
         engine_args = EngineArgs(model=model, device=args.device)
     if args.padded_vocab:
         padded_vocab()
+    if args.per_row_noise:  # before the batched kernel: a generator reseeded per row
+        from tandem.engines.reference import draw_noise
+        draw_noise.serves = lambda out: False  # type: ignore[assignment]
     engine = create_reference_engine(engine_args)
     assert isinstance(engine, BatchingEngine)
     await engine.start()
@@ -188,7 +211,8 @@ async def main_async(args: argparse.Namespace) -> None:
         from benchmarks.step_phases import StepPhases
         phases = StepPhases(engine)
         phases.install()
-    rows: dict[tuple[int, bool], list[dict]] = {}
+    modes = MODES + (NO_WAIT,) if args.no_host_wait else MODES
+    rows: dict[tuple[int, str], list[dict]] = {}
     try:
         await one_round(engine, 4, 8, True, "warm-g")  # load the tokenizer and compile once
         for streams in args.streams:  # every batch size once, both ways, before timing
@@ -196,16 +220,17 @@ async def main_async(args: argparse.Namespace) -> None:
                 await one_round(engine, streams, 8, guided, f"warm-{streams}-{guided}")
         for r in range(args.repeats):
             for streams in args.streams:
-                for guided in (False, True):
+                for mode in modes:
                     host.reset()
                     if phases is not None:
                         phases.reset()
-                    row = await one_round(engine, streams, args.max_tokens, guided,
-                                          f"r{r}-{streams}-{guided}")
+                    with loop_waits(mode != NO_WAIT):
+                        row = await one_round(engine, streams, args.max_tokens, mode != "free",
+                                              f"r{r}-{streams}-{mode}")
                     row.update(host.summary())
                     if phases is not None:
                         row["phases"] = phases.summary()
-                    rows.setdefault((streams, guided), []).append(row)
+                    rows.setdefault((streams, mode), []).append(row)
         cold, cached = compile_times(model, engine.vocab_size, engine._eos_ids)
     finally:
         await engine.close()
@@ -213,29 +238,34 @@ async def main_async(args: argparse.Namespace) -> None:
     vocab = "padded to the model's (before issue 25)" if args.padded_vocab else "the tokenizer's"
     print(f"\nreference engine, {model}, device {args.device}, max_tokens {args.max_tokens}, "
           f"temperature 1; median of {args.repeats} alternating rounds; grammar vocabulary "
-          f"{vocab}; fill threads {matcher.fill_threads()}\n")
+          f"{vocab}; fill threads {matcher.fill_threads()}; sampler noise "
+          f"{'per row' if args.per_row_noise else 'batched'}\n")
     print("| streams | unconstrained tok/s | JSON schema tok/s | unconstrained ITL ms | "
           "JSON schema ITL ms | ITL cost | tokens / request (schema) | mask fill ms/step | "
           "grammar on the loop ms/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for streams in args.streams:
-        free, schema = rows[(streams, False)], rows[(streams, True)]
-        itl_free, itl_schema = med(r["itl_ms"] for r in free), med(r["itl_ms"] for r in schema)
-        print(f"| {streams} | {med(r['tok/s'] for r in free):.0f} | "
-              f"{med(r['tok/s'] for r in schema):.0f} | {itl_free:.2f} | {itl_schema:.2f} | "
-              f"{100 * (itl_schema / itl_free - 1):+.0f}% | "
-              f"{med(r['tokens/request'] for r in schema):.0f} | "
-              f"{med(r.get('fill_ms', 0.0) for r in schema):.2f} | "
-              f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
+        free = rows[(streams, "free")]
+        for mode in modes[1:]:
+            schema = rows[(streams, mode)]
+            itl_free, itl_schema = (med(r["itl_ms"] for r in free),
+                                    med(r["itl_ms"] for r in schema))
+            label = streams if mode == "schema" else f"{streams} ({mode})"
+            print(f"| {label} | {med(r['tok/s'] for r in free):.0f} | "
+                  f"{med(r['tok/s'] for r in schema):.0f} | {itl_free:.2f} | {itl_schema:.2f} | "
+                  f"{100 * (itl_schema / itl_free - 1):+.0f}% | "
+                  f"{med(r['tokens/request'] for r in schema):.0f} | "
+                  f"{med(r.get('fill_ms', 0.0) for r in schema):.2f} | "
+                  f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
     if phases is not None:
-        print_phases(args.streams, rows)
+        print_phases(args.streams, modes, rows)
         print("\n| streams | mode | ITL ms | first gap ms | gap p50 ms | gaps > 2x p50 |")
         print("|---|---|---:|---:|---:|---:|")
         for streams in args.streams:
-            for guided in (False, True):
-                got = rows[(streams, guided)]
-                print(f"| {streams} | {'schema' if guided else 'free'} | "
+            for mode in modes:
+                got = rows[(streams, mode)]
+                print(f"| {streams} | {mode} | "
                       f"{med(r['itl_ms'] for r in got):.2f} | "
                       f"{med(r['first_gap_ms'] for r in got):.2f} | "
                       f"{med(r['gap_p50_ms'] for r in got):.2f} | "
@@ -243,17 +273,18 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"\ngrammar compile (this schema): cold {1000 * cold:.1f} ms, cached {1000 * cached:.3f} ms")
 
 
-def print_phases(streams: list[int], rows: dict[tuple[int, bool], list[dict]]) -> None:
+def print_phases(streams: list[int], modes: tuple[str, ...],
+                 rows: dict[tuple[int, str], list[dict]]) -> None:
     """benchmarks/step_phases.py's table: per stream count and mode, the median over rounds of
     each round's median ms per step."""
     from benchmarks.step_phases import table
 
     out = []
     for n in streams:
-        for guided in (False, True):
-            summaries = [r["phases"] for r in rows[(n, guided)]]
+        for mode in modes:
+            summaries = [r["phases"] for r in rows[(n, mode)]]
             keys = {k for s in summaries for k in s}
-            out.append((f"{n} {'schema' if guided else 'free'}",
+            out.append((f"{n} {mode}",
                         {k: statistics.median(s[k] for s in summaries if k in s) for k in keys}))
     print("\nphases of the steps launched ahead, ms per step (benchmarks/step_phases.py)\n")
     print(table(out))
@@ -353,6 +384,11 @@ def main() -> None:
                         help="xgrammar on the model's whole vocabulary, as before issue 25")
     parser.add_argument("--phases", action="store_true",
                         help="time each phase of the steps launched ahead (benchmarks/step_phases.py)")
+    parser.add_argument("--per-row-noise", action="store_true",
+                        help="the sampler's noise one row at a time, as before draw_noise")
+    parser.add_argument("--no-host-wait", action="store_true",
+                        help="also run the schema with the loop building the next step while "
+                        "a guided launch's grammars work (not waiting for its host_done)")
     parser.add_argument("--mask-costs", action="store_true",
                         help="time the grammar's host work alone (no engine) and exit")
     args = parser.parse_args()

@@ -176,7 +176,11 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
             "--grace-period-s", "5", "--log-level", "warning", *(extra or [])]
     print("$ " + " ".join(argv[1:]), flush=True)
     handle = log.open("w")
-    proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+    env = dict(os.environ)
+    if args.trace:  # every span to the log at exit (benchmarks/ttft_split.py reads them)
+        env.update(OTEL_TRACES_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="3600000",
+                   OTEL_BSP_MAX_QUEUE_SIZE="1000000", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1000000")
+    proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=tempfile.mkdtemp(prefix="tandem-up-"))
     deadline = time.monotonic() + args.start_timeout_s
     while time.monotonic() < deadline:
@@ -408,6 +412,20 @@ def alternate(url: str, model: pathlib.Path, args: argparse.Namespace, grid: dic
     return rounds
 
 
+def print_ttft_split(log: pathlib.Path, grid: dict, stack: dict) -> None:
+    """--trace: each traced request's TTFT split by hop (benchmarks/ttft_split.py); when the
+    stack served one point only, that point's requests with the client's TTFTs."""
+    from benchmarks import ttft_split
+
+    rows = ttft_split.split(ttft_split.spans(log.read_text(errors="replace")))
+    keys = [f"{i}/{o}/{c}" for (i, o), points in grid.items() for c, _ in points]
+    client = stack[keys[0]].get("ttft_ms") if len(keys) == 1 else None
+    if client and len(rows) >= len(client):  # the point's requests came last (probes first)
+        rows = rows[-len(client):]
+    print(f"TTFT split ({len(rows)} traced requests):\n{ttft_split.table(rows, client)}",
+          flush=True)
+
+
 def table(grid: dict, engine: dict, stack: dict) -> str:
     """Served against the engine in process: all B requests at once ("batch"), and the served
     load itself ("closed": C streams, each sending its next request when the last ends). ITL
@@ -467,6 +485,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0,
                         help="then this many more rounds at one stream with the stack still "
                         "up: the engine alone, the stack, alternating (ratios per round)")
+    parser.add_argument("--trace", action="store_true",
+                        help="the stack prints its spans (OpenTelemetry's console exporter; "
+                        "carry opentelemetry-sdk) and each request's TTFT is split by hop")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -517,6 +538,8 @@ def main() -> None:
         finally:
             stop_stack(proc)
         result["served"][name] = stack
+        if args.trace:
+            print_ttft_split(log, grid, stack)
         result["seconds"][f"stack_start {name}"] = time.monotonic() - start
         tables.append((name, extra, table(grid, engine, stack)))
     if args.engine_after and any(c == 1 for points in grid.values() for c, _ in points):

@@ -1,0 +1,102 @@
+"""Where a served request's time to first token goes, from its trace (a script, not a test).
+
+Reads the spans that `tandem up` printed with `OTEL_TRACES_EXPORTER=console` (serve_gpu.py
+--trace sets it) and splits each streamed request's TTFT, as the frontend's span sees it:
+
+- `before the call`: the frontend's HTTP span start -> its Decode/Generate client span start
+  (parsing, chat template, tokenization, routing);
+- `to the worker`: client span start -> the decode worker's server span start (the session
+  frame's trip and the worker's read of it);
+- `worker to first token`: server span start -> its `first_token` event (admission, the
+  engine's scheduling and prefill, the first sample);
+- the client's TTFT (from the load generator) minus the three: the first token's way back
+  (session frame, detokenization, SSE) and the client's own send and read.
+
+    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+
+
+def spans(text: str) -> list[dict]:
+    """The JSON objects that start at a line holding only `{` and end at the next `}` line."""
+    out, lines, block = [], text.splitlines(), None
+    for line in lines:
+        if block is None and line == "{":
+            block = [line]
+        elif block is not None:
+            block.append(line)
+            if line == "}":
+                try:
+                    out.append(json.loads("\n".join(block)))
+                except json.JSONDecodeError:
+                    pass
+                block = None
+    return [s for s in out if "context" in s and "name" in s]
+
+
+def _ns(stamp: str) -> int:
+    when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return int(when.timestamp()) * 10**9 + when.microsecond * 1000
+
+
+def split(all_spans: list[dict]) -> list[dict[str, float]]:
+    """Per traced streamed request, in start order: ms of each part (see the docstring)."""
+    by_trace: dict[str, list[dict]] = {}
+    for s in all_spans:
+        by_trace.setdefault(s["context"]["trace_id"], []).append(s)
+    rows = []
+    for group in by_trace.values():
+        http = next((s for s in group if s["name"].startswith("POST /v1/")), None)
+        client = next((s for s in group if s["name"] == "tandem.v1.Decode/Generate"
+                       and s["kind"].endswith("CLIENT")), None)
+        server = next((s for s in group if s["name"] == "tandem.v1.Decode/Generate"
+                       and s["kind"].endswith("SERVER")), None)
+        if not (http and client and server):
+            continue
+        first = next((e for e in server.get("events", []) if e["name"] == "first_token"), None)
+        if first is None:
+            continue
+        t0, t1 = _ns(http["start_time"]), _ns(client["start_time"])
+        t2, t3 = _ns(server["start_time"]), _ns(first["timestamp"])
+        rows.append({"start": t0, "before the call": (t1 - t0) / 1e6,
+                     "to the worker": (t2 - t1) / 1e6, "worker to first token": (t3 - t2) / 1e6,
+                     "first token at the worker": (t3 - t0) / 1e6})
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def table(rows: list[dict[str, float]], client_ttft_ms: list[float] | None = None) -> str:
+    """Medians of each part; with the client's TTFTs (same order and count), the rest."""
+    keys = ["before the call", "to the worker", "worker to first token",
+            "first token at the worker"]
+    out = ["| part | p50 ms | min ms | max ms |", "|---|---:|---:|---:|"]
+    if client_ttft_ms and len(client_ttft_ms) == len(rows):
+        for row, ttft in zip(rows, client_ttft_ms, strict=True):
+            row["client TTFT"] = ttft
+            row["back to the client"] = ttft - row["first token at the worker"]
+        keys += ["back to the client", "client TTFT"]
+    for key in keys:
+        values = [r[key] for r in rows]
+        out.append(f"| {key} | {statistics.median(values):.2f} | {min(values):.2f} | "
+                   f"{max(values):.2f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("log", type=pathlib.Path)
+    parser.add_argument("--client-ttft-ms", type=float, nargs="*")
+    args = parser.parse_args()
+    rows = split(spans(args.log.read_text(errors="replace")))
+    print(f"{len(rows)} traced requests")
+    if rows:
+        print(table(rows, args.client_ttft_ms))
+
+
+if __name__ == "__main__":
+    main()
