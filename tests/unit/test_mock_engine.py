@@ -490,3 +490,54 @@ def test_batched_draws_equal_single_draws() -> None:
         positions = [rng.randrange(100_000) for _ in range(count)]
         assert sampler.draw_many(keys, positions) == [
             sampler.draw(k, p) for k, p in zip(keys, positions, strict=True)]
+
+
+async def test_batch_wait_holds_a_burst_for_one_step_and_a_lone_request_for_the_timeout(
+        make_engine) -> None:
+    """--batch-wait-timeout-ms: prompts that reach an idle engine a few ms apart are prefilled
+    in one step (without the hold, the first goes alone); a full batch or a step's token budget
+    starts at once; a lone request starts after the timeout; running requests are never held
+    up."""
+    async def burst(engine: MockEngine, n: int, tag: str) -> list[Result]:
+        streams = []
+        for i in range(n):
+            streams.append(engine.add_request(req(f"{tag}{i}", prompt(40 * i, 24), 4)))
+            await asyncio.sleep(0.005)
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
+
+    held = await make_engine(batch_wait_timeout_ms=2000, max_batch_size=3)
+    plans = record_plans(held)
+    start = time.monotonic()
+    results = await burst(held, 3, "b")
+    assert time.monotonic() - start < 1.5  # three fill the batch: no 2 s wait
+    assert all(r.finish == FinishReason.LENGTH for r in results)
+    assert plans[0][0].num_admitted == 3
+
+    budget = await make_engine(batch_wait_timeout_ms=2000, max_num_tokens=48)
+    plans = record_plans(budget)
+    start = time.monotonic()
+    await burst(budget, 2, "t")  # 2 x 24 prompt tokens fill a step's budget
+    assert time.monotonic() - start < 1.5 and plans[0][0].num_admitted == 2
+
+    eager = await make_engine(max_batch_size=3)  # the default: no hold
+    plans = record_plans(eager)
+    await burst(eager, 3, "e")
+    assert plans[0][0].num_admitted == 1
+
+    lone = await make_engine(batch_wait_timeout_ms=150)
+    plans = record_plans(lone)
+    start = time.monotonic()
+    first = lone.add_request(req("alone", prompt(0, 24), 200))
+    async for _ in first:  # its first token
+        break
+    assert time.monotonic() - start >= 0.14  # held for the timeout
+    # It runs now: a newcomer joins at the next step instead of waiting out a timeout.
+    start = time.monotonic()
+    result = await collect(lone.add_request(req("joins", prompt(500, 24), 2)))
+    assert result.finish == FinishReason.LENGTH and time.monotonic() - start < 0.14
+    await collect(first)
+
+
+def test_batch_wait_timeout_must_not_be_negative(tiny_model: str) -> None:
+    with pytest.raises(InvalidRequest, match="batch_wait_timeout_ms"):
+        create_engine("mock", EngineArgs(model=tiny_model, batch_wait_timeout_ms=-1))

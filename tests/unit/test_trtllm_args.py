@@ -47,18 +47,19 @@ def test_flags_map_to_llm_args() -> None:
         expert_parallel_size=8, enable_attention_dp=True, max_batch_size=32,
         max_num_tokens=4096, max_seq_len=8192, max_beam_width=2,
         free_gpu_memory_fraction=0.75, load_format="dummy", num_gpu_blocks=100,
-        enforce_eager=True))
+        enforce_eager=True, batch_wait_timeout_ms=20))
     assert kwargs["tensor_parallel_size"] == 4 and kwargs["pipeline_parallel_size"] == 2
     assert kwargs["moe_expert_parallel_size"] == 8 and kwargs["enable_attention_dp"] is True
     assert (kwargs["max_batch_size"], kwargs["max_num_tokens"], kwargs["max_seq_len"],
             kwargs["max_beam_width"]) == (32, 4096, 8192, 2)
     assert kwargs["load_format"] == "dummy" and kwargs["cuda_graph_config"] is None
+    assert kwargs["batch_wait_timeout_ms"] == 20
     assert kwargs["kv_cache_config"] == {"tokens_per_block": 64, "free_gpu_memory_fraction": 0.75,
                                          "enable_block_reuse": True, "max_tokens": 6400}
     # Unset optional flags stay out so that TensorRT-LLM's own defaults apply.
     defaults = from_flags(EngineArgs())
     assert "moe_expert_parallel_size" not in defaults and "max_seq_len" not in defaults
-    assert "cuda_graph_config" not in defaults
+    assert "cuda_graph_config" not in defaults and "batch_wait_timeout_ms" not in defaults
 
 
 def test_yaml_then_json_merge_deeply(tmp_path: pathlib.Path) -> None:

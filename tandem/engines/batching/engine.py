@@ -23,6 +23,7 @@ from tandem.engines.batching.ahead import (
     may_schedule_ahead,
     same_requests,
 )
+from tandem.engines.batching.batch_wait import BatchWait
 from tandem.engines.batching.host_copies import CopyTiming, HostCopies
 from tandem.engines.batching.request import BatchRequest, RequestStatus
 from tandem.engines.batching.scheduler import Scheduler, StepPlan
@@ -85,6 +86,8 @@ class BatchingEngine(Engine):
         #: The host tier's copies and counters (idle without a host tier).
         self.host_copies = HostCopies(self)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
+        #: --batch-wait-timeout-ms: an idle engine holds a burst's first prompts for the rest.
+        self._batch_wait = BatchWait(args.batch_wait_timeout_ms)
         self._requests: dict[str, BatchRequest] = {}
         self._wakeup = asyncio.Event()
         #: When the step loop last woke from waiting for work (time.monotonic()); a pass that
@@ -355,6 +358,8 @@ class BatchingEngine(Engine):
                     await self._settle()  # nothing to run ahead of, or a hook may pause
                 elif not self.scheduler.has_work:
                     await self._wait_for_wakeup()
+                elif hold := self._batch_wait.hold_s(self.scheduler):
+                    await self._wait_for_wakeup(hold)  # a new request looks again
                 else:
                     await self._gate.wait()
                     if self._closed:
@@ -399,9 +404,10 @@ class BatchingEngine(Engine):
         self._gate.after_step()
         return plan
 
-    async def _wait_for_wakeup(self) -> None:
+    async def _wait_for_wakeup(self, timeout_s: float | None = None) -> None:
         self._wakeup.clear()
-        await self._wakeup.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
         self.woke_at = time.monotonic()
 
     async def _wait_for_peers(self) -> None:

@@ -76,6 +76,8 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
         out["cuda_graph_config"] = None
     if args.disable_overlap_scheduler:
         out["disable_overlap_scheduler"] = True
+    if args.batch_wait_timeout_ms > 0:
+        out["batch_wait_timeout_ms"] = args.batch_wait_timeout_ms
     if args.guided_decoding_backend != "none":
         out["guided_decoding_backend"] = args.guided_decoding_backend
         # Upstream builds its grammar backend from the LLM's tokenizer (create_py_executor

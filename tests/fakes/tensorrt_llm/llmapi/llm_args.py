@@ -124,6 +124,7 @@ class TorchLlmArgs(StrictBaseModel):
     garbage_collection_gen0_threshold: int = 20000
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     disable_overlap_scheduler: bool = False
+    batch_wait_timeout_ms: float = 0
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
     attn_backend: str = "TRTLLM"
     sampler_type: str = "auto"
