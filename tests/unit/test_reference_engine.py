@@ -253,3 +253,26 @@ async def test_repetition_penalty_matches_transformers(model_dirs: dict[str, pat
                       min_new_tokens=NEW_TOKENS, repetition_penalty=1.5,
                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert tokens == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1])
+async def test_warm_eager_steps_touch_only_the_scratch_block(
+        family: str, model_dirs: dict[str, pathlib.Path]) -> None:
+    """The warm-up before serving (run on CUDA at start; here called on the CPU) runs its three
+    step shapes through the engine's own step code, leaves the pool as it was and every
+    pooled block's KV untouched, and the engine still matches transformers afterwards."""
+    from tandem.engines.reference.warmup import warm_eager_steps
+
+    engine = engine_for(model_dirs[family], max_num_tokens=48, max_batch_size=6)
+    await engine.start()
+    try:
+        pooled = engine.kv_cache[:, :, :-1].clone()
+        free = engine.pool.num_free
+        assert warm_eager_steps(engine) == 3
+        assert engine.pool.num_free == free and engine.pool.num_used == 0
+        assert torch.equal(engine.kv_cache[:, :, :-1], pooled)
+        batch = prompts(engine.vocab_size, [3, 17])
+        for prompt, (tokens, _) in zip(batch, await run(engine, batch)):
+            assert tokens == hf_greedy(model_dirs[family], prompt)
+    finally:
+        await engine.close()

@@ -43,6 +43,7 @@ from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.overlap import OverlapSteps
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
+from tandem.engines.reference.warmup import warm_eager_steps
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
 from tandem.kv.host_tier import BlockCopies
@@ -102,7 +103,23 @@ class ReferenceEngine(BatchingEngine):
             count = await asyncio.to_thread(self._capture_graphs)
             log.info("CUDA graphs captured", extra={
                 "graphs": count, "seconds": round(time.perf_counter() - started, 1)})
+        if self.device.type == "cuda" and self._task is None:
+            started = time.perf_counter()
+            steps = await asyncio.to_thread(self._warm_eager_steps)
+            log.info("eager steps warmed", extra={
+                "steps": steps, "seconds": round(time.perf_counter() - started, 1)})
         await super().start()
+
+    def _warm_eager_steps(self) -> int:
+        """warmup.warm_eager_steps; a step too large for the memory left is logged, not fatal
+        (a full step of requests would then fail the same way, and say so)."""
+        try:
+            return warm_eager_steps(self)
+        except torch.cuda.OutOfMemoryError as exc:
+            log.warning("warming the eager steps ran out of GPU memory; the first full steps "
+                        "may too", extra={"error": str(exc).splitlines()[0]})
+            torch.cuda.empty_cache()
+            return 0
 
     @torch.inference_mode()
     def _capture_graphs(self) -> int:
