@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.engines.reference import varlen
 from tandem.engines.reference.batch import AttentionMetadata, DecodePart, allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
@@ -221,6 +222,52 @@ def test_mixed_step_on_cuda_in_bf16(families: dict[str, Family], name: str) -> N
 
     assert relative_error(loop) <= 16 * BF16_UNIT_ROUNDOFF
     assert relative_error(split) <= 1.25 * relative_error(loop) + BF16_UNIT_ROUNDOFF
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("split", [True, False])
+def test_prompt_chunks_in_one_flash_call_match_the_loop(
+        families: dict[str, Family], name: str, split: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's prompt sequences in one varlen flash-attention call per layer (a chunk after
+    a cached prefix, a whole prompt, with the decodes apart or among them) give the logits of
+    the per-sequence loop, within bf16 rounding."""
+    family = families[name]
+    cuda = torch.device("cuda")
+    model, spec = load_model(family.path, torch.bfloat16, cuda)
+    bf16 = Family(family.path, family.hf, model, spec)
+    batched = mixed_step_logits(bf16, split, cuda, block_size=16)
+    monkeypatch.setattr(varlen, "serves", lambda *args: False)
+    loop = mixed_step_logits(bf16, split, cuda, block_size=16)
+    assert ((batched - loop).norm() / loop.norm()).item() <= 4 * BF16_UNIT_ROUNDOFF
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_varlen_layout_lists_each_prompt_sequence_and_its_context_slots(split: bool) -> None:
+    """VarlenPrefill (built on the CPU here): the prompt rows, the cumulative query and context
+    lengths, and every context position's KV slot through the block table, sequence after
+    sequence; the decode part's sequences left out."""
+    first, second, chunked, whole = MIXED
+    tables = [[9, 2, 14, 6, 1], [0, 7], [3, 11, 5, 13], [8, 10, 12]]
+    seqs = [(first, tables[0], 36), (chunked, tables[2], 10), (second, tables[1], 11),
+            (whole, tables[3], 0)]
+    _, _, meta = make_step(seqs)
+    meta = with_decode_part(meta) if split else meta
+    layout = varlen.VarlenPrefill.build(meta, CPU)
+    kept = [1, 3] if split else [0, 1, 2, 3]
+    starts = meta.query_start_loc
+    assert layout.all_rows is not split
+    assert layout.rows.tolist()[:sum(starts[s + 1] - starts[s] for s in kept)] == [
+        r for s in kept for r in range(starts[s], starts[s + 1])]
+    lens_q = [starts[s + 1] - starts[s] for s in kept]
+    lens_k = [len(seqs[s][0]) for s in kept]
+    assert layout.cum_q.tolist() == [sum(lens_q[:i]) for i in range(len(kept) + 1)]
+    assert layout.cum_k.tolist() == [sum(lens_k[:i]) for i in range(len(kept) + 1)]
+    assert (layout.max_q, layout.max_k) == (max(lens_q), max(lens_k))
+    assert layout.slots.tolist() == [
+        seqs[s][1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for s in kept for p in range(len(seqs[s][0]))]
 
 
 def _decode_and_per_sequence_logits(family: Family) -> tuple[torch.Tensor, torch.Tensor]:

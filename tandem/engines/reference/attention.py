@@ -1,11 +1,13 @@
 """Self-attention over the paged KV cache, following the contract in `batch.py`.
 
 Two paths, both on torch's scaled_dot_product_attention:
-  * `prefill_attention`: any mix of chunks; one SDPA per sequence (a Python loop over S, with no
-    host syncs: every length it needs is already a Python int in AttentionMetadata). In a step
-    that mixes prompt chunks with decodes, the one-token sequences (`meta.decode_part`) skip the
-    loop and take the decode path together (`mixed_attention`): a loop over 64 decodes beside
-    one prompt chunk cost the 8B shape on an H100 most of its mixed-step time.
+  * `prefill_attention`: any mix of chunks; on CUDA in half precision one flash-attention call
+    for every prompt sequence of the step (`varlen`), else one SDPA per sequence (a Python loop
+    over S, with no host syncs: every length it needs is already a Python int in
+    AttentionMetadata). In a step that mixes prompt chunks with decodes, the one-token
+    sequences (`meta.decode_part`) skip it and take the decode path together
+    (`mixed_attention`): a loop over 64 decodes beside one prompt chunk cost the 8B shape on an
+    H100 most of its mixed-step time.
   * `decode_attention`: every sequence has one new token; all sequences in ONE SDPA over a padded
     gather of their blocks, masked by `context_lens_t`. No loop, no host sync: the GPU decode path.
 With attention sinks (gpt-oss) both paths compute the same attention in plain matmuls instead
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from tandem.engines.reference import kernels
+from tandem.engines.reference import kernels, varlen
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import RMSNorm
 from tandem.engines.reference.rope import apply_rope
@@ -74,6 +76,9 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
     None. Returns [T, heads, head_size] in q's dtype; the rows of `meta.decode_part`'s
     sequences are left unwritten (`mixed_attention` fills them)."""
     out = torch.empty_like(q)
+    if varlen.serves(q, sliding_window, sinks, meta):
+        varlen.flash_prefill(q, kv_layer, meta, out)  # every prompt sequence at once
+        return out
     block_size = meta.block_size
     k_blocks, v_blocks = kv_layer[0], kv_layer[1]
     skip = meta.decode_part.seqs if meta.decode_part is not None else frozenset()
