@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.runtime import unix_sockets
+from tandem.runtime.gc_tuning import freeze_startup_heap
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
 from tandem.runtime.tls import TlsConfig, server_credentials
@@ -214,6 +215,7 @@ class GrpcService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        freeze_startup_heap()  # the process is built: no full GC pass scans it again
         await self.start()
         await self._stop.wait()
         await self.shutdown()
