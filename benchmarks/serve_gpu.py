@@ -417,13 +417,14 @@ def print_ttft_split(log: pathlib.Path, grid: dict, stack: dict) -> None:
     stack served one point only, that point's requests with the client's TTFTs."""
     from benchmarks import ttft_split
 
-    rows = ttft_split.split(ttft_split.spans(log.read_text(errors="replace")))
+    found = ttft_split.spans(log.read_text(errors="replace"))
+    rows = ttft_split.split(found)
     keys = [f"{i}/{o}/{c}" for (i, o), points in grid.items() for c, _ in points]
     client = stack[keys[0]].get("ttft_ms") if len(keys) == 1 else None
     if client and len(rows) >= len(client):  # the point's requests came last (probes first)
         rows = rows[-len(client):]
-    print(f"TTFT split ({len(rows)} traced requests):\n{ttft_split.table(rows, client)}",
-          flush=True)
+    print(f"TTFT split ({len(rows)} traced requests):\n{ttft_split.table(rows, client)}\n"
+          f"engine steps:\n{ttft_split.step_table(found)}", flush=True)
 
 
 def table(grid: dict, engine: dict, stack: dict) -> str:

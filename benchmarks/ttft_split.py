@@ -12,7 +12,10 @@ Reads the spans that `tandem up` printed with `OTEL_TRACES_EXPORTER=console` (se
 - the client's TTFT (from the load generator) minus the three: the first token's way back
   (session frame, detokenization, SSE) and the client's own send and read.
 
-    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...]
+With --steps, also the engine's steps (`engine.step` spans): which step admitted and finished
+which prompts, and how long each took.
+
+    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...] [--steps]
 """
 from __future__ import annotations
 
@@ -70,6 +73,42 @@ def split(all_spans: list[dict]) -> list[dict[str, float]]:
     return sorted(rows, key=lambda r: r["start"])
 
 
+def step_table(all_spans: list[dict]) -> str:
+    """The engine's steps (the workers' `engine.step` spans) in order, from the first: each
+    step that computed prompt tokens, admitted or gave a first token on a row of its own, the
+    plain decode steps between them as one row."""
+    steps = sorted((s for s in all_spans if s["name"] == "engine.step"),
+                   key=lambda s: _ns(s["start_time"]))
+    if not steps:
+        return "(no engine.step spans)"
+    t0 = _ns(steps[0]["start_time"])
+    out = ["| start ms | ms | scheduled | prompt tokens | admitted | first tokens | waiting | "
+           "running |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    decodes: list[float] = []
+
+    def flush() -> None:
+        if decodes:
+            out.append(f"| | {statistics.fmean(decodes):.1f} each | {len(decodes)} decode "
+                       "steps | | | | | |")
+            decodes.clear()
+
+    for s in steps:
+        a = s["attributes"]
+        start, ms = (_ns(s["start_time"]) - t0) / 1e6, (_ns(s["end_time"]) -
+                                                         _ns(s["start_time"])) / 1e6
+        if not (a["tandem.step.prefill_tokens"] or a["tandem.step.admitted"]
+                or a["tandem.step.first_tokens"]):
+            decodes.append(ms)
+            continue
+        flush()
+        out.append(f"| {start:.1f} | {ms:.1f} | {a['tandem.step.scheduled']} | "
+                   f"{a['tandem.step.prefill_tokens']} | {a['tandem.step.admitted']} | "
+                   f"{a['tandem.step.first_tokens']} | {a['tandem.step.waiting']} | "
+                   f"{a['tandem.step.running']} |")
+    flush()
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, float]], client_ttft_ms: list[float] | None = None) -> str:
     """Medians of each part; with the client's TTFTs (same order and count), the rest."""
     keys = ["before the call", "to the worker", "worker to first token",
@@ -91,11 +130,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=pathlib.Path)
     parser.add_argument("--client-ttft-ms", type=float, nargs="*")
+    parser.add_argument("--steps", action="store_true", help="also the engine's steps")
     args = parser.parse_args()
-    rows = split(spans(args.log.read_text(errors="replace")))
+    found = spans(args.log.read_text(errors="replace"))
+    rows = split(found)
     print(f"{len(rows)} traced requests")
     if rows:
         print(table(rows, args.client_ttft_ms))
+    if args.steps:
+        print(step_table(found))
 
 
 if __name__ == "__main__":

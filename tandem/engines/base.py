@@ -29,6 +29,28 @@ TransferObserver = Callable[[TransferRecord], None]
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step of an engine's loop, for traces: when the loop scheduled it and when it was
+    done with it (for a step launched ahead: launched, its tokens still on the device)."""
+
+    start_unix_ns: int
+    end_unix_ns: int
+    num_scheduled: int
+    #: Uncached prompt (or recomputed) tokens computed in it.
+    num_prefill_tokens: int
+    num_admitted: int
+    #: Requests whose first token it produced (prompts finished, KV reads landed).
+    num_first_tokens: int
+    #: Requests left waiting, and running, after it was scheduled.
+    num_waiting: int
+    num_running: int
+    launched_ahead: bool
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
+@dataclass(frozen=True, slots=True)
 class Progress:
     """What a health watchdog needs to tell a stuck engine from an idle one."""
 
@@ -160,6 +182,10 @@ class Engine(ABC):
         """Who hears of each KV read this engine makes (metrics, traces). The observer runs in
         the context (contextvars) of the call that admitted the request. Backends whose reads
         happen out of sight (TensorRT-LLM's cache transceiver) ignore it."""
+
+    def set_step_observer(self, observer: StepObserver) -> None:  # noqa: B027
+        """Who hears of each step of the engine's loop (traces); engines without a step loop
+        of their own (TensorRT-LLM) ignore it."""
 
     def debug_checksums(self) -> Mapping[tuple[str, str], str]:
         """(direction, request id) -> checksum of KV blocks leased or received, oldest first;

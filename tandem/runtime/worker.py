@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import start_http_server
 
-from tandem.engines.base import Engine
+from tandem.engines.base import Engine, StepRecord
 from tandem.engines.registry import create_engine
 from tandem.engines.types import EngineStats, TransferRecord
 from tandem.kv.event_log import EventLog
@@ -50,6 +50,19 @@ def _transfer_observer(metrics: WorkerMetrics | None) -> Callable[[TransferRecor
                        {"tandem.kv.source_worker": record.source_worker_id,
                         "tandem.kv.bytes": record.num_bytes}, record.error)
     return observe
+
+
+def _trace_step(record: StepRecord) -> None:
+    """Each engine step as a span of its own (a trace per step): where a request's time to
+    first token went, next to its own spans."""
+    tracing.record("engine.step", record.start_unix_ns, record.end_unix_ns, {
+        "tandem.step.scheduled": record.num_scheduled,
+        "tandem.step.prefill_tokens": record.num_prefill_tokens,
+        "tandem.step.admitted": record.num_admitted,
+        "tandem.step.first_tokens": record.num_first_tokens,
+        "tandem.step.waiting": record.num_waiting,
+        "tandem.step.running": record.num_running,
+        "tandem.step.launched_ahead": record.launched_ahead})
 
 
 def _install_debug_hooks(engine: Engine) -> None:
@@ -93,6 +106,8 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
         start_http_server(config.metrics_port, config.host, registry=metrics.registry)
     if metrics is not None or tracing.is_enabled():
         engine.set_transfer_observer(_transfer_observer(metrics))
+    if tracing.is_enabled():
+        engine.set_step_observer(_trace_step)
     # Decode side of disaggregation: leases on prefill workers are released once read.
     prefill_clients = PrefillClients(config.tls)
     engine.set_lease_releaser(prefill_clients.release)

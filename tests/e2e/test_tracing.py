@@ -167,3 +167,26 @@ def test_a_request_without_trace_context_starts_its_own_trace(
     assert root.parent_id == ""
     receiver.wait_for(root.trace_id, {("tandem-router", "tandem.v1.Router/Route"),
                                       ("tandem-decode", "tandem.v1.Decode/Generate")})
+
+
+def test_each_engine_step_is_a_span(traced: tuple[Topology, Receiver]) -> None:
+    """Workers trace their engine's steps (a span each, in a trace of its own): the prefill
+    worker's step that computed a new prompt and gave its first token, the decode worker's
+    steps that then streamed it."""
+    topo, receiver = traced
+    completion(topo, list(range(300, 361)), 4, {})  # 61 prompt tokens nobody cached
+
+    def steps(service: str) -> list[dict]:
+        return [s.attributes for s in receiver.spans
+                if s.service == service and s.name == "engine.step"]
+
+    with receiver.arrived:
+        assert receiver.arrived.wait_for(lambda: any(
+            a["tandem.step.prefill_tokens"] == 61 for a in steps("tandem-prefill")), 30)
+        assert receiver.arrived.wait_for(lambda: any(
+            a["tandem.step.first_tokens"] >= 1 and a["tandem.step.prefill_tokens"] == 0
+            for a in steps("tandem-decode")), 30)
+    prefill = next(a for a in steps("tandem-prefill") if a["tandem.step.prefill_tokens"] == 61)
+    assert prefill["tandem.step.admitted"] == 1 and prefill["tandem.step.first_tokens"] == 1
+    assert any(a["tandem.step.scheduled"] >= 1 and a["tandem.step.prefill_tokens"] == 0
+               for a in steps("tandem-decode"))  # its decode steps

@@ -14,7 +14,14 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine, PausePoint, Progress, TransferObserver
+from tandem.engines.base import (
+    Engine,
+    PausePoint,
+    Progress,
+    StepObserver,
+    StepRecord,
+    TransferObserver,
+)
 from tandem.engines.batching.ahead import (
     PLACEHOLDER,
     Sampled,
@@ -88,6 +95,8 @@ class BatchingEngine(Engine):
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
         #: --batch-wait-timeout-ms: an idle engine holds a burst's first prompts for the rest.
         self._batch_wait = BatchWait(args.batch_wait_timeout_ms)
+        #: Told of each step (set_step_observer: traces); None: nobody asked.
+        self._step_observer: StepObserver | None = None
         self._requests: dict[str, BatchRequest] = {}
         self._wakeup = asyncio.Event()
         #: When the step loop last woke from waiting for work (time.monotonic()); a pass that
@@ -364,7 +373,10 @@ class BatchingEngine(Engine):
                     await self._gate.wait()
                     if self._closed:
                         break
+                    started_ns = time.time_ns()
                     plan = await self._step()
+                    if plan is not None and self._step_observer is not None:
+                        self._observe_step(plan, started_ns)
                     if plan is None:
                         await self._wait_for_peers()
             if self._ahead is not None:  # its device work ends before close() returns
@@ -403,6 +415,17 @@ class BatchingEngine(Engine):
         self._publish(self.pool.take_events())
         self._gate.after_step()
         return plan
+
+    def set_step_observer(self, observer: StepObserver) -> None:
+        self._step_observer = observer
+
+    def _observe_step(self, plan: StepPlan, started_ns: int) -> None:
+        assert self._step_observer is not None
+        self._step_observer(StepRecord(
+            started_ns, time.time_ns(), len(plan.scheduled), plan.prefill_tokens,
+            plan.num_admitted, len(plan.first_tokens) + sum(
+                1 for r in plan.ready if r.num_computed == r.num_prompt),
+            len(self.scheduler.waiting), len(self.scheduler.running), self._ahead is not None))
 
     async def _wait_for_wakeup(self, timeout_s: float | None = None) -> None:
         self._wakeup.clear()
