@@ -20,11 +20,40 @@ import time
 log = logging.getLogger(__name__)
 
 
+#: A collector pass longer than this is logged (a stall every request in flight felt).
+SLOW_PASS_S = 0.05
+
+
+class PassTimer:
+    """Times the collector's passes (gc.callbacks) and logs a warning for each slow one, with
+    its generation and how many objects it collected."""
+
+    def __init__(self, threshold_s: float = SLOW_PASS_S) -> None:
+        self.threshold_s = threshold_s
+        self._started = 0.0
+        #: Slow passes so far.
+        self.num_slow = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        if seconds >= self.threshold_s:
+            self.num_slow += 1
+            log.warning("slow garbage-collector pass", extra={
+                "generation": info.get("generation"), "ms": round(1000 * seconds, 1),
+                "collected": info.get("collected")})
+
+
 def freeze_startup_heap() -> int:
-    """Collects, then freezes every object left; returns how many are frozen."""
+    """Collects, then freezes every object left, and from then on logs slow passes
+    (`PassTimer`); returns how many objects are frozen."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
+    if not any(isinstance(c, PassTimer) for c in gc.callbacks):
+        gc.callbacks.append(PassTimer())
     frozen = gc.get_freeze_count()
     log.info("start-up heap frozen for the garbage collector", extra={
         "objects": frozen, "ms": round(1000 * (time.perf_counter() - started), 1)})

@@ -1,9 +1,16 @@
-"""A service process freezes its start-up heap for the garbage collector before it serves."""
+"""A service process freezes its start-up heap for the garbage collector before it serves, and
+logs the collector's slow passes."""
 from __future__ import annotations
 
+import gc
+import logging
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+from tandem.runtime.gc_tuning import PassTimer
 
 SCRIPT = textwrap.dedent("""
     import asyncio, gc
@@ -30,3 +37,15 @@ def test_a_service_freezes_its_start_up_heap_when_it_runs() -> None:
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert before == 0 and after > 10_000  # every module and object made until then
+
+
+def test_a_slow_collector_pass_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    timer = PassTimer(threshold_s=0.0)  # every pass counts as slow
+    gc.callbacks.append(timer)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.runtime.gc_tuning"):
+            gc.collect(0)
+    finally:
+        gc.callbacks.remove(timer)
+    assert timer.num_slow == 1
+    assert [r.generation for r in caplog.records] == [0]  # type: ignore[attr-defined]

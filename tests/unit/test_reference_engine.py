@@ -258,7 +258,7 @@ async def test_repetition_penalty_matches_transformers(model_dirs: dict[str, pat
 @pytest.mark.parametrize("family", FAMILIES[:1])
 async def test_warm_eager_steps_touch_only_the_scratch_block(
         family: str, model_dirs: dict[str, pathlib.Path]) -> None:
-    """The warm-up before serving (run on CUDA at start; here called on the CPU) runs its three
+    """The warm-up before serving (run on CUDA at start; here called on the CPU) runs its four
     step shapes through the engine's own step code, leaves the pool as it was and every
     pooled block's KV untouched, and the engine still matches transformers afterwards."""
     from tandem.engines.reference.warmup import warm_eager_steps
@@ -268,7 +268,7 @@ async def test_warm_eager_steps_touch_only_the_scratch_block(
     try:
         pooled = engine.kv_cache[:, :, :-1].clone()
         free = engine.pool.num_free
-        assert warm_eager_steps(engine) == 3
+        assert warm_eager_steps(engine) == 4
         assert engine.pool.num_free == free and engine.pool.num_used == 0
         assert torch.equal(engine.kv_cache[:, :, :-1], pooled)
         batch = prompts(engine.vocab_size, [3, 17])

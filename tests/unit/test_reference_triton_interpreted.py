@@ -2,7 +2,8 @@
 (TRITON_INTERPRET=1, in a subprocess: the variable is read when the kernels are defined), so that
 a machine without a GPU checks their logic: paged decode attention with sinks and windows (and
 its independence from the table's padding), MoE routing and sorting, both grouped expert GEMMs,
-RMSNorm summing an MoE layer's slots, GEMV and skinny GEMM with biases. float32 (the interpreter
+RMSNorm summing an MoE layer's slots, GEMV and skinny GEMM with biases, the sampler's batched
+Exp(1) noise. float32 (the interpreter
 computes bfloat16 wrongly); autotuned kernels run their first tile. test_reference_kernels.py
 checks the same kernels compiled, in bfloat16, on a GPU."""
 from __future__ import annotations
@@ -100,6 +101,15 @@ for tokens in (1, 3, 37):
         assert torch.equal(summed, slots.sum(1) + residual)
         expected = norm * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
         assert rel(normed, expected) < 1e-5
+
+from tandem.engines.reference import draw_noise
+from tandem.engines.reference.sampler import draw_seed
+
+seeds = [draw_noise.as_int64(draw_seed(s, 3)) for s in (0, 1, 2**64 - 1)]
+noise = draw_noise.exponential_rows(torch.empty(3, 3000), torch.tensor(seeds))
+assert (noise > 0).all() and abs(noise.double().mean().item() - 1) < 0.05
+alone = draw_noise.exponential_rows(torch.empty(1, 3000), torch.tensor(seeds[1:2]))
+assert torch.equal(alone[0], noise[1]) and not torch.equal(noise[0], noise[1])
 
 layer = torch.nn.Linear(300, 100)
 with torch.no_grad():

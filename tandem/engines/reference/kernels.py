@@ -112,7 +112,11 @@ if triton is not None:
             tl.store(kdst + v_plane + d, v1.to(kv_ptr.dtype.element_ty))
             tl.store(kdst + v_plane + half + d, v2.to(kv_ptr.dtype.element_ty))
 
-    @triton.jit
+    # The table's row stride is the graphs' static buffer width when captured, the step's
+    # padded width in a mixed step: unspecialized, both take the variant the start-up captures
+    # compiled (a mixed step's own, compiled on its first use, cost a burst 300-450 ms on an
+    # H200 whose Triton cache lacked it).
+    @triton.jit(do_not_specialize=["table_stride"])
     def _paged_decode_kernel(q_ptr, kv_ptr, table_ptr, ctx_ptr, sinks_ptr, out_ptr,
                              part_acc_ptr, part_ml_ptr, scale, window, v_plane, table_stride,
                              max_blocks_per_split, min_splits,

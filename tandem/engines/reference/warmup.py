@@ -7,7 +7,8 @@ and Triton compiles that only the eager path needs (the sampler's batched noise,
 fresh H200 the first 8,000-token step of a burst took 620 ms instead of 230 ms (issue 25). So
 the engine runs, on the KV tensor's scratch block, before it reports SERVING:
 
-- a mixed step: one prompt chunk with the rest of the token budget beside decodes;
+- a mixed step: one prompt chunk with the rest of the token budget beside decodes, and one of
+  a short prompt beside two decodes;
 - a step of prompts only, filling the budget;
 - one short prompt alone;
 
@@ -76,8 +77,11 @@ def warm_eager_steps(engine: ReferenceEngine) -> int:
     prompts = [seq(longest, longest) for _ in range(budget // longest)]
     if budget % longest:
         prompts.append(seq(budget % longest, budget % longest))
+    few = decodes[:2]  # a small batch of decodes splits its contexts more (kernels.py)
+    short = min(17, longest)
     steps = [decodes + [seq(chunk, chunk)] if decodes and chunk > 0 else [],
-             prompts[:args.max_batch_size], [seq(min(17, longest), min(17, longest))]]
+             few + [seq(short, short)] if len(few) == 2 else [],
+             prompts[:args.max_batch_size], [seq(short, short)]]
     ran = 0
     for step in steps:
         if step:
