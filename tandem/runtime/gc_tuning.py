@@ -55,6 +55,14 @@ def freeze_startup_heap() -> int:
     if not any(isinstance(c, PassTimer) for c in gc.callbacks):
         gc.callbacks.append(PassTimer())
     frozen = gc.get_freeze_count()
-    log.info("start-up heap frozen for the garbage collector", extra={
+    log.debug("start-up heap frozen for the garbage collector", extra={
         "objects": frozen, "ms": round(1000 * (time.perf_counter() - started), 1)})
     return frozen
+
+
+def thaw() -> None:
+    """Undoes the freeze at shutdown, so that the interpreter's last collection frees start-up
+    cycles as it would have (extension modules such as Triton's report what was never freed
+    at exit). That collection is long and harms nobody: slow passes are no longer logged."""
+    gc.callbacks[:] = [c for c in gc.callbacks if not isinstance(c, PassTimer)]
+    gc.unfreeze()

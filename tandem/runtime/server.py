@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.runtime import unix_sockets
-from tandem.runtime.gc_tuning import freeze_startup_heap
+from tandem.runtime.gc_tuning import freeze_startup_heap, thaw
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
 from tandem.runtime.tls import TlsConfig, server_credentials
@@ -219,6 +219,7 @@ class GrpcService:
         await self.start()
         await self._stop.wait()
         await self.shutdown()
+        thaw()
 
     async def shutdown(self) -> None:
         log.info("draining", extra={"grace_s": self.options.grace_s})
