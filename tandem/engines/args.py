@@ -36,10 +36,10 @@ class EngineArgs:
     max_seq_len: int = 0
     #: Most requests admitted but not yet running; past it new requests get RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
-    #: An engine with no request running holds new prompts up to this long for more to
-    #: arrive (starting at once when they fill max_batch_size or max_num_tokens), so that a
-    #: burst is prefilled in full steps; 0: off. TensorRT-LLM's batch_wait_timeout_ms. A lone
-    #: request pays the whole wait: for bursty loads.
+    #: Milliseconds an engine with no request running holds new prompts for more to arrive
+    #: (starting at once when they fill max_batch_size or max_num_tokens), so that a burst is
+    #: prefilled in full steps; 0: off. TensorRT-LLM's batch_wait_timeout_ms. A lone request
+    #: pays the whole wait: for bursty loads.
     batch_wait_timeout_ms: float = 0.0
     #: Reference engine and TensorRT-LLM: compute each decode step in full before scheduling
     #: the next, instead of launching the next while the device computes this one.
