@@ -373,9 +373,10 @@ class BatchingEngine(Engine):
                     await self._gate.wait()
                     if self._closed:
                         break
-                    started_ns = time.time_ns()
+                    observed = self._step_observer is not None
+                    started_ns = time.time_ns() if observed else 0
                     plan = await self._step()
-                    if plan is not None and self._step_observer is not None:
+                    if plan is not None and observed:
                         self._observe_step(plan, started_ns)
                     if plan is None:
                         await self._wait_for_peers()
