@@ -68,11 +68,18 @@ class _LoadPacer:
         self.sent = stats()
         self.sent_at = time.monotonic()
 
-    def due(self) -> EngineStats | None:
+    def due(self, went_idle: bool = False) -> EngineStats | None:
+        """The load to report now, or None. `went_idle`: the worker's last request just ended;
+        a changed load goes out at once, interval or not (module docstring of `subscribe`)."""
         now = time.monotonic()
-        if now - self.sent_at < self.interval_s:
+        if now - self.sent_at < self.interval_s and not went_idle:
             return None
         load = self.stats()
+        if went_idle and load != self.sent:
+            self.sent, self.sent_at = load, now
+            return load
+        if now - self.sent_at < self.interval_s:
+            return None
         if load == self.sent and now - self.sent_at < HEARTBEAT_INTERVALS * self.interval_s:
             return None
         self.sent, self.sent_at = load, now
@@ -96,19 +103,18 @@ class Activity(Protocol):
     async def wait_for_work(self, timeout_s: float) -> None:
         """Returns once a request is in flight or the drain began, or after `timeout_s`."""
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight (now or within `timeout_s`)."""
+
 
 async def _wait_for_events(log: EventLog, last: int, timeout_s: float,
                            activity: Activity) -> bool:
-    """Waits for events beyond `last` (then True) or `timeout_s`; while the service is idle,
-    also for a request or the drain (whichever comes first ends the wait)."""
-    if activity.num_in_flight:
-        try:
-            await asyncio.wait_for(log.wait_beyond(last), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
+    """Waits for events beyond `last` (then True) or `timeout_s`; while requests are in
+    flight, also for the last of them to end; while the service is idle, for a request or the
+    drain (whichever comes first ends the wait)."""
     events = asyncio.ensure_future(log.wait_beyond(last))
-    work = asyncio.ensure_future(activity.wait_for_work(timeout_s))
+    work = asyncio.ensure_future(activity.wait_idle(timeout_s) if activity.num_in_flight
+                                 else activity.wait_for_work(timeout_s))
     try:
         await asyncio.wait((events, work), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -131,9 +137,13 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
 
     Load (EngineStats) is sent once at the start, then when it changed, at most once per
     `load_interval_s`, and at least every HEARTBEAT_INTERVALS intervals even when unchanged, so
-    that a subscriber's estimate built between reports never drifts for long. While no request
-    is in flight the loop does not wake each interval to find nothing new: it waits for events,
-    a request, the drain or the next report due (as `subscribe_loads` does).
+    that a subscriber's estimate built between reports never drifts for long. The one
+    exception to the interval: when the worker's last request ends, a changed load goes out at
+    once. Another frontend process that routes the next request knows only these reports; a
+    report of a finished request's blocks, stale for up to an interval, would send that request
+    away from the worker holding its prefix. That is one message per busy period, not per step.
+    While no request is in flight the loop does not wake each interval to find nothing new: it
+    waits for events, a request, the drain or the next report due (as `subscribe_loads` does).
     """
     if start_sequence is None or (epoch is not None and epoch != log.epoch):
         last, first = _resync(log)
@@ -145,7 +155,8 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
     pacer = _LoadPacer(stats, load_interval_s)
     yield pacer.sent
     while not activity.active:
-        timeout_s = load_interval_s if activity.num_in_flight else pacer.idle_wait_s()
+        busy = activity.num_in_flight > 0
+        timeout_s = load_interval_s if busy else pacer.idle_wait_s()
         if await _wait_for_events(log, last, timeout_s, activity) and batch_s > 0:
             await asyncio.sleep(batch_s)
         if activity.active:
@@ -153,7 +164,7 @@ async def subscribe(log: EventLog, stats: Callable[[], EngineStats],
         last, pending = _catch_up(log, last + 1)
         for message in pending:
             yield message
-        load = pacer.due()
+        load = pacer.due(went_idle=busy and not activity.num_in_flight)
         if load is not None:
             yield load
 
@@ -163,7 +174,8 @@ async def subscribe_loads(stats: Callable[[], EngineStats], interval_s: float,
     """A loads-only subscriber's reports (one that keeps no prefix index: a frontend's local
     router over round-robin or least-loaded pools): the load at the start, then on a change at
     most once per `interval_s` while requests are in flight, and at least every
-    HEARTBEAT_INTERVALS intervals, until the service drains.
+    HEARTBEAT_INTERVALS intervals, and at once when the last request ends (as `subscribe`),
+    until the service drains.
 
     While no request is in flight the load hardly moves (a prefill worker's leases expire), so
     the loop sleeps until a request comes, the drain begins or the heartbeat is due, instead of
@@ -171,12 +183,14 @@ async def subscribe_loads(stats: Callable[[], EngineStats], interval_s: float,
     pacer = _LoadPacer(stats, interval_s)
     yield pacer.sent
     while not activity.active:
+        went_idle = False
         if activity.num_in_flight:
-            await asyncio.sleep(interval_s)
+            went_idle = await activity.wait_idle(interval_s) and not activity.num_in_flight
         else:
             await activity.wait_for_work(pacer.idle_wait_s())
             if activity.active:
                 return
-        load = pacer.due()  # a request that came right after a report: sampled an interval later
+        # A request that came right after a report: sampled an interval later.
+        load = pacer.due(went_idle)
         if load is not None:
             yield load

@@ -138,6 +138,12 @@ def test_kv_routing_finds_the_prefix_holder_from_either_process(frontends: Front
         by_process.setdefault(served, []).append(raw.headers["x-tandem-decode-worker"])
         if len(by_process.get(1 - first, [])) >= 3:
             break
+        # The other process knows the request only from the worker's load reports: the next
+        # request is routed once the worker said it is idle (it does at once, to every
+        # subscriber; the router service is one of them).
+        wait_router(topo.router_address, lambda pools: all(
+            w.active_requests == w.active_decode_blocks == 0 for p in pools for w in p.workers),
+            "every worker reporting itself idle")
     assert len(by_process.get(1 - first, [])) >= 3, by_process
     assert {w for workers in by_process.values() for w in workers} == {holder}, by_process
 

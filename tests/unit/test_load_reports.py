@@ -1,6 +1,7 @@
 """A KvEvents subscriber's load reports, loads-only (tandem.kv.subscription.subscribe_loads)
 and with events (subscribe): prompt while requests run, no polling while the worker is idle, the
-heartbeat, the drain; events reach an idle subscription at once."""
+heartbeat, the drain; a worker that goes idle says so at once; events reach an idle subscription
+at once."""
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +38,15 @@ class Load:
 
 
 async def collect(reports: asyncio.Queue[tuple[float, EngineStats]], load: Load,
-                  draining: Draining, kind: str = "loads", log: EventLog | None = None) -> None:
+                  draining: Draining, kind: str = "loads", log: EventLog | None = None,
+                  interval_s: float = INTERVAL_S) -> None:
     """Puts (arrival, report) for each load report of a `kind` subscription ("loads": loads
     only; "events": with the KV events of `log`, which go into the queue as they are)."""
     if kind == "loads":
-        async for stats in subscribe_loads(load, INTERVAL_S, draining):
+        async for stats in subscribe_loads(load, interval_s, draining):
             await reports.put((time.monotonic(), stats))
         return
-    async for message in subscribe(log or EventLog(100), load, 1, None, INTERVAL_S, draining):
+    async for message in subscribe(log or EventLog(100), load, 1, None, interval_s, draining):
         await reports.put((time.monotonic(), message))  # type: ignore[arg-type]
 
 
@@ -84,6 +86,29 @@ async def test_a_request_is_reported_within_an_interval_or_two_then_its_end(kind
         left = time.monotonic()
         at, idle = await asyncio.wait_for(reports.get(), HEARTBEAT_S / 2)
         assert idle.num_running == 0 and at - left < 4 * INTERVAL_S
+    finally:
+        task.cancel()
+
+
+@KINDS
+async def test_the_end_of_the_last_request_is_reported_at_once(kind: str) -> None:
+    """Not an interval after the report of its start: another frontend process would route
+    the next request on the stale load (kv/subscription.py, `subscribe`)."""
+    interval_s = 1.0
+    load, draining, reports = Load(), Draining(), asyncio.Queue()
+    task = asyncio.create_task(collect(reports, load, draining, kind, interval_s=interval_s))
+    try:
+        await reports.get()
+        await asyncio.sleep(interval_s)  # the start's report may go at once
+        load.set_running(1)
+        draining.enter()
+        _, busy = await asyncio.wait_for(reports.get(), interval_s)
+        assert busy.num_running == 1
+        load.set_running(0)
+        draining.leave()
+        left = time.monotonic()
+        at, idle = await asyncio.wait_for(reports.get(), 2 * interval_s)
+        assert idle.num_running == 0 and at - left < interval_s / 2
     finally:
         task.cancel()
 
