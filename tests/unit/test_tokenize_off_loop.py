@@ -1,5 +1,6 @@
-"""Long prompts are tokenized off the event loop: same ids as Tokenizer.encode, and the loop keeps
-running meanwhile (tokenizers' encode holds the GIL; encode_batch on a worker thread does not)."""
+"""Tokenizer.encode gives the Rust encoder's ids; long prompts are tokenized off the event loop:
+same ids as Tokenizer.encode, and the loop keeps running meanwhile (tokenizers' encode holds the
+GIL; encode_batch on a worker thread does not)."""
 from __future__ import annotations
 
 import asyncio
@@ -42,3 +43,14 @@ async def test_the_loop_runs_while_a_long_prompt_is_encoded(tokenizer: Tokenizer
     # Encoding inline would hold the loop for the whole encode: the ticker could tick at most
     # once. On a worker thread it ticks all along.
     assert ticks >= 5
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_encode_gives_the_rust_tokenizers_own_ids(tokenizer: Tokenizer, special: bool) -> None:
+    """Tokenizer.encode skips the offsets (encode_batch_fast): the ids stay the encoder's,
+    special-token text, whitespace runs and non-ASCII included."""
+    eos = tokenizer.hf.eos_token or ""
+    for text in ("Hello world", f"a {eos} b{eos}", "  spaced\n\n  out\t", "über naïve 東京 🙂",
+                 " ".join(f"w{i}" for i in range(300))):
+        assert (tokenizer.encode(text, add_special_tokens=special)
+                == tokenizer.backend.encode(text, add_special_tokens=special).ids), text
