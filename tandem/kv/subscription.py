@@ -61,7 +61,8 @@ def _catch_up(log: EventLog, start: int) -> tuple[int, list[Message]]:
 
 class _LoadPacer:
     """When a subscriber's next load report is due: at the start, then on a change at most once
-    per interval, and at least every HEARTBEAT_INTERVALS intervals."""
+    per interval (at once when the worker just went idle), and at least every
+    HEARTBEAT_INTERVALS intervals."""
 
     def __init__(self, stats: Callable[[], EngineStats], interval_s: float) -> None:
         self.stats, self.interval_s = stats, interval_s
@@ -72,15 +73,12 @@ class _LoadPacer:
         """The load to report now, or None. `went_idle`: the worker's last request just ended;
         a changed load goes out at once, interval or not (module docstring of `subscribe`)."""
         now = time.monotonic()
-        if now - self.sent_at < self.interval_s and not went_idle:
+        early = now - self.sent_at < self.interval_s
+        if early and not went_idle:
             return None
         load = self.stats()
-        if went_idle and load != self.sent:
-            self.sent, self.sent_at = load, now
-            return load
-        if now - self.sent_at < self.interval_s:
-            return None
-        if load == self.sent and now - self.sent_at < HEARTBEAT_INTERVALS * self.interval_s:
+        if load == self.sent and (early or
+                                  now - self.sent_at < HEARTBEAT_INTERVALS * self.interval_s):
             return None
         self.sent, self.sent_at = load, now
         return load
