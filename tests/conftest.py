@@ -2,7 +2,7 @@
 
 The reference engine's gpt_oss reads `swiglu_alpha` and `swiglu_limit` from config.json, and the
 tiny gpt_oss model sets the limit to 2 (the real checkpoints' 7.0 never clamps random weights).
-transformers reads both from the config since 5.18-ish; 5.17 and before (the GPU image has 5.17)
+transformers reads both from the config since 5.19.0; 5.18 and before (the GPU image has 5.17)
 hard-code 1.702 and 7.0 in GptOssExperts. Against those releases every comparison with the tiny
 model differed for a reason that is not ours, so the reference experts take the config's
 constants, as newer releases do. With the real models' values nothing changes.
