@@ -21,6 +21,9 @@ class EngineArgs:
     load_format: str = "auto"
     #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
     enforce_eager: bool = False
+    #: Reference engine on CUDA: run steps with prompt tokens eagerly instead of through
+    #: piecewise CUDA graphs (each layer's work but its attention, steps of up to 512 tokens).
+    disable_prefill_graphs: bool = False
     #: Seed for engine-chosen randomness (requests without a seed, dummy weights).
     seed: int = 0
     #: Grammar backend that enforces structured outputs (response_format, guided_*): xgrammar

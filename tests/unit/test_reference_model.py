@@ -15,6 +15,7 @@ from tandem.engines.reference import varlen
 from tandem.engines.reference.batch import AttentionMetadata, DecodePart, allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.prefill_graphs import PrefillGraphs
 from tandem.engines.reference.spec import ModelSpec
 from tandem.errors import InvalidRequest
 from tandem.model.tiny import FAMILIES, write_tiny_model
@@ -161,12 +162,18 @@ MIXED = (prompt(37, seed=20), prompt(12, seed=21), prompt(25, seed=22), prompt(1
 
 
 def mixed_step_logits(family: Family, split: bool, device: torch.device = CPU,
-                      block_size: int = BLOCK_SIZE) -> torch.Tensor:
+                      block_size: int = BLOCK_SIZE, graphs: bool = False,
+                      caches: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Two decodes beside a prompt chunk after a cached prefix and a whole prompt, the
-    decodes attended together (`split`, a DecodePart) or each on its own."""
+    decodes attended together (`split`, a DecodePart) or each on its own; with `graphs`,
+    both steps through PrefillGraphs (padded to a bucket of 64 tokens). The KV cache is
+    appended to `caches` where given."""
     first, second, chunked, whole = MIXED
     tables = [[9, 2, 14, 6, 1], [0, 7], [3, 11, 5, 13], [8, 10, 12]]
     cache = new_cache(family.spec, block_size).to(device)
+    if caches is not None:
+        caches.append(cache)
+    prefill = PrefillGraphs(family.model, cache, 64) if graphs else None
 
     def step(seqs: list[tuple[list[int], list[int], int]], mixed: bool) -> torch.Tensor:
         input_ids, positions, meta = make_step(seqs, block_size=block_size)
@@ -181,7 +188,12 @@ def mixed_step_logits(family: Family, split: bool, device: torch.device = CPU,
                 context_lens_t=part.meta.context_lens_t.to(device),
                 block_tables=part.meta.block_tables.to(device)), part.seqs)
         with torch.no_grad():
-            hidden = family.model(input_ids.to(device), positions.to(device), moved, cache)
+            if prefill is not None:
+                bucket = prefill.bucket(len(input_ids))
+                assert bucket == 64
+                hidden = prefill.run(input_ids.to(device), positions.to(device), moved, bucket)
+            else:
+                hidden = family.model(input_ids.to(device), positions.to(device), moved, cache)
             return family.model.compute_logits(hidden).cpu()
 
     step([(first[:-1], tables[0], 0), (second[:-1], tables[1], 0), (chunked[:10], tables[2], 0)],
@@ -241,6 +253,33 @@ def test_prompt_chunks_in_one_flash_call_match_the_loop(
     monkeypatch.setattr(varlen, "serves", lambda *args: False)
     loop = mixed_step_logits(bf16, split, cuda, block_size=16)
     assert ((batched - loop).norm() / loop.norm()).item() <= 4 * BF16_UNIT_ROUNDOFF
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama3", "mistral"])
+def test_prefill_graphs_match_the_eager_step(families: dict[str, Family], name: str) -> None:
+    """Two steps with prompt chunks (the second mixed with decodes, after cached prefixes)
+    through the piecewise graphs, padded to a bucket: the logits of the eager steps within
+    bf16 rounding (the padded matmuls may take other kernels), the same K/V in every real
+    block, and the padding's K/V only in the scratch block."""
+    family = families[name]
+    cuda = torch.device("cuda")
+    model, spec = load_model(family.path, torch.bfloat16, cuda)
+    bf16 = Family(family.path, family.hf, model, spec)
+    assert PrefillGraphs.supports(model, new_cache(spec, 16).to(cuda))
+    caches: list[torch.Tensor] = []
+    graphed = mixed_step_logits(bf16, True, cuda, block_size=16, graphs=True, caches=caches)
+    eager = mixed_step_logits(bf16, True, cuda, block_size=16, caches=caches)
+    assert ((graphed - eager).norm() / eager.norm()).item() <= 4 * BF16_UNIT_ROUNDOFF
+    graph_kv, eager_kv = (cache.float() for cache in caches)
+    scratch = NUM_BLOCKS - 1
+    real = graph_kv[:, :, :scratch]
+    assert ((real - eager_kv[:, :, :scratch]).norm() / eager_kv.norm()).item() <= (
+        4 * BF16_UNIT_ROUNDOFF)
+    unused = [b for b in range(scratch) if b not in {9, 2, 14, 6, 1, 0, 7, 3, 11, 5, 13, 8,
+                                                      10, 12}]
+    assert real[:, :, unused].abs().max().item() == 0
+    assert graph_kv[:, :, scratch].abs().max().item() > 0
 
 
 @pytest.mark.parametrize("split", [True, False])

@@ -239,7 +239,7 @@ def test_cuda_fused_half_path_runs_mixtral(model_dirs: dict[str, pathlib.Path]) 
     ids = torch.tensor(tokens, device=cuda)
     with torch.no_grad():
         hidden = model.embed_tokens(ids)
-        assert model._fusable(hidden, meta)
+        assert model.fusable(hidden, meta.block_size)
         logits = model.compute_logits(model(ids, torch.arange(n, device=cuda), meta, cache))
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             model_dirs["mixtral"], dtype=torch.float16).to(cuda).eval()

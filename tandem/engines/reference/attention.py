@@ -68,14 +68,14 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                      sliding_window: int | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, heads, head_size] (new tokens, grouped by sequence as in
     `meta.query_start_loc`) over each sequence's cached context. The new tokens of a sequence are
     the LAST positions of its context. `sinks` [heads]: attention sinks (`sink_attention`), or
-    None. Returns [T, heads, head_size] in q's dtype; the rows of `meta.decode_part`'s
-    sequences are left unwritten (`mixed_attention` fills them)."""
-    out = torch.empty_like(q)
+    None. Returns [T, heads, head_size] in q's dtype, written into `out` where given; the rows
+    of `meta.decode_part`'s sequences are left unwritten (`mixed_attention` fills them)."""
+    out = torch.empty_like(q) if out is None else out
     if varlen.serves(q, sliding_window, sinks, meta):
         varlen.flash_prefill(q, kv_layer, meta, out)  # every prompt sequence at once
         return out
@@ -116,11 +116,11 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
 
 def mixed_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                     sliding_window: int | None, sinks: torch.Tensor | None,
-                    decode: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
-                    ) -> torch.Tensor:
+                    decode: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """`prefill_attention` of a step that is not decode-only, its one-token sequences
     (`meta.decode_part`) attended together by `decode(q rows, their metadata)`."""
-    out = prefill_attention(q, kv_layer, meta, sliding_window, sinks)
+    out = prefill_attention(q, kv_layer, meta, sliding_window, sinks, out)
     part = meta.decode_part
     if part is not None:
         out.index_copy_(0, part.rows, decode(q.index_select(0, part.rows), part.meta))
@@ -315,18 +315,33 @@ class Attention(nn.Module):
     def forward_fused(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
         """`forward` through the Triton kernels (CUDA, half precision, no q/k norm:
-        DecoderModel._fusable sends those to `forward`): RoPE and the cache write in one
+        DecoderModel.fusable sends those to `forward`): RoPE and the cache write in one
         kernel, decode attention (with gpt-oss's sinks) read in place from the blocks."""
         num_tokens = x.shape[0]
-        q = kernels.rope_and_cache(kernels.linear(x, self.qkv_proj), rope_table, positions,
-                                   kv_layer, meta.slot_mapping, self.num_heads,
-                                   self.num_kv_heads, self.head_size)
+        q = self.rotate_and_cache(x, rope_table, positions, kv_layer, meta.slot_mapping)
+        o = self.attend_fused(q, kv_layer, meta)
+        return kernels.linear(o.reshape(num_tokens, self.q_size), self.o_proj)
+
+    def rotate_and_cache(self, x: torch.Tensor, rope_table: torch.Tensor,
+                         positions: torch.Tensor, kv_layer: torch.Tensor,
+                         slot_mapping: torch.Tensor, out: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        """`forward_fused` up to the attention: the qkv projection, RoPE and the cache write;
+        returns q [T, heads, head_size] (into `out` where given)."""
+        return kernels.rope_and_cache(kernels.linear(x, self.qkv_proj), rope_table, positions,
+                                      kv_layer, slot_mapping, self.num_heads,
+                                      self.num_kv_heads, self.head_size, out)
+
+    def attend_fused(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward_fused`'s attention of q [T, heads, head_size] over the cache (K/V already
+        written), into `out` where given (a step with prompt chunks; a decode-only step's
+        kernel returns its own tensor)."""
         if meta.is_decode_only:
             o = self._decode_fused(q, kv_layer, meta)
-        else:
-            o = mixed_attention(q, kv_layer, meta, self.sliding_window, self.sinks,
-                                lambda rows, part: self._decode_fused(rows, kv_layer, part))
-        return kernels.linear(o.reshape(num_tokens, self.q_size), self.o_proj)
+            return o if out is None else out.copy_(o)
+        return mixed_attention(q, kv_layer, meta, self.sliding_window, self.sinks,
+                               lambda rows, part: self._decode_fused(rows, kv_layer, part), out)
 
     def _decode_fused(self, q: torch.Tensor, kv_layer: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:

@@ -41,6 +41,7 @@ from tandem.engines.reference.host_kv import HostKvStore
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.overlap import OverlapSteps
+from tandem.engines.reference.prefill_graphs import PrefillGraphs
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.reference.warmup import warm_eager_steps
@@ -86,6 +87,10 @@ class ReferenceEngine(BatchingEngine):
                        or model.decode_syncs(max_graph_batch)
                        else DecodeGraphs(model, kv_cache, max_graph_batch,
                                          -(-max_model_len // block_size)))
+        #: Steps with prompt tokens, as graphs between their attentions; None where eager.
+        self.prefill_graphs = (PrefillGraphs(model, kv_cache, args.max_num_tokens)
+                               if self.graphs is not None and not args.disable_prefill_graphs
+                               and PrefillGraphs.supports(model, kv_cache) else None)
         #: Decode steps launched ahead of their tokens; None with --disable-overlap-scheduler.
         self.overlap = (None if args.disable_overlap_scheduler
                         else OverlapSteps(self.sampler, self._decode_logits))
@@ -124,7 +129,8 @@ class ReferenceEngine(BatchingEngine):
     @torch.inference_mode()
     def _capture_graphs(self) -> int:
         assert self.graphs is not None
-        return self.graphs.capture_all()
+        count = self.graphs.capture_all()
+        return count + (self.prefill_graphs.capture_all() if self.prefill_graphs else 0)
 
     async def close(self) -> None:
         await super().close()  # settles any step launched ahead first
@@ -265,8 +271,7 @@ class ReferenceEngine(BatchingEngine):
         spans = [span for _, span in inputs.mm_spans
                  if not span.item.is_image or span.item.content_hash in encoded]
         embeds = self.encoder.rows(spans, encoded) if spans and self.encoder else None
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
-                            embeds)
+        hidden = self._hidden(inputs, embeds)
         prompt_lps = [prompt_logprobs(self.model.compute_logits(hidden[row:row + count]), ids, k)
                       for (_, row, _, count, k), ids in zip(inputs.prompt_spans, prompt_ids,
                                                             strict=True)]
@@ -276,6 +281,18 @@ class ReferenceEngine(BatchingEngine):
         self._constrain(logits, guides)
         sampled = [(out.token_id, out.logprob) for out in self.sampler.sample(logits, samples)]
         return sampled, prompt_lps
+
+    def _hidden(self, inputs: StepInputs,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The model's final hidden states for a step that no decode graph serves: through the
+        prefill graphs where a bucket holds it, else eagerly."""
+        graphs = self.prefill_graphs
+        bucket = (graphs.bucket(inputs.input_ids.shape[0])
+                  if graphs is not None and embeds is None else None)
+        if graphs is None or bucket is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                              embeds)
+        return graphs.run(inputs.input_ids, inputs.positions, inputs.meta, bucket)
 
     @staticmethod
     def _constrain(logits: torch.Tensor, guides: list[Guide | None]) -> None:

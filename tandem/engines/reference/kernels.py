@@ -298,12 +298,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
                    kv_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """q [T, heads, head_size] rotated; k rotated and v written to `kv_layer` at their slots.
-    `qkv` [T, (heads + 2 kv_heads) * head_size] is the fused projection's output (row stride
-    may exceed the width); `cos_sin` the RotaryEmbedding table [max_positions, head_size]."""
+                   num_kv_heads: int, head_size: int, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """q [T, heads, head_size] rotated (into `out`, contiguous, where given); k rotated and v
+    written to `kv_layer` at their slots. `qkv` [T, (heads + 2 kv_heads) * head_size] is the
+    fused projection's output (row stride may exceed the width); `cos_sin` the
+    RotaryEmbedding table [max_positions, head_size]."""
     num_tokens = qkv.shape[0]
-    q = torch.empty(num_tokens, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+    q = (torch.empty(num_tokens, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+         if out is None else out)
     v_plane = kv_layer[1].data_ptr() - kv_layer[0].data_ptr()
     _rope_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, cos_sin, positions, slot_mapping, q, kv_layer, v_plane // kv_layer.element_size(),

@@ -96,20 +96,20 @@ class DecoderModel(nn.Module):
         if input_embeds is not None:
             rows, values = input_embeds
             hidden.index_copy_(0, rows, values.to(hidden.dtype))
-        if self._fusable(hidden, meta):
+        if self.fusable(hidden, meta.block_size):
             return self._forward_fused(hidden, positions, meta, kv_cache)
         cos, sin = self.rotary_emb(positions)  # gathered once, shared by every layer
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[index])
         return self.norm(hidden)
 
-    def _fusable(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the Triton kernels (tandem.engines.reference.kernels) serve this step:
-        CUDA, half precision, no q/k norm, head size and block size powers of two >= 16 (the
-        kernels' matrix tiles)."""
+    def fusable(self, hidden: torch.Tensor, block_size: int) -> bool:
+        """Whether the Triton kernels (tandem.engines.reference.kernels) serve steps over
+        tensors like `hidden` and KV blocks of `block_size`: CUDA, half precision, no q/k norm,
+        head size and block size powers of two >= 16 (the kernels' matrix tiles)."""
         spec = self.spec
         return (kernels.available(hidden) and not spec.qk_norm
-                and _pow2_at_least_16(spec.head_size) and _pow2_at_least_16(meta.block_size))
+                and _pow2_at_least_16(spec.head_size) and _pow2_at_least_16(block_size))
 
     def decode_syncs(self, max_batch: int) -> bool:
         """Whether a decode step of up to `max_batch` sequences reads anything on the host,
