@@ -241,7 +241,11 @@ if triton is not None:
         for n, k, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3),
                             (64, 64, 4, 5), (16, 256, 4, 4), (64, 128, 8, 3))],
         key=["n_rows", "k_cols", "BLOCK_M"])
-    @triton.jit
+    # m_rows unspecialized: Triton compiles a variant per divisibility of an int argument,
+    # and an eager step's row count (17-31 sampled rows, say) would otherwise compile one on a
+    # request's step (~110-240 ms on an H100, benchmarks/prefill_gpu.py --burst) that the
+    # graphs' bucket sizes never did. It only masks rows.
+    @triton.jit(do_not_specialize=["m_rows"])
     def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m_rows, n_rows, k_cols,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):

@@ -33,7 +33,8 @@ MAX_ROUTE_CELLS = 1 << 16
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
+    @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
     def _route_kernel(logits_ptr, weights_ptr, order_ptr, ends_ptr, active_ptr, num_tokens,
                       num_slots, E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
