@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import cProfile
+import gc
 import pathlib
 import pstats
 import statistics
