@@ -18,7 +18,9 @@ output, the residual stream, the final hidden states), sized for the largest buc
 rows are token 0 at position 0 whose K/V go to the scratch block (the KV tensor's last block,
 as for the decode graphs); no attention reads them, and every other operation of a graph is
 row-wise, so a real row's result does not depend on the padding. Dense models on the fused
-kernels only (DecoderModel.fusable, every MLP gated): an MoE layer's routing is not row-wise.
+kernels only (DecoderModel.fusable, every MLP gated): Mixtral's and Qwen3-MoE's expert loop
+reads per-expert counts on the host, which no graph holds, and gpt-oss's device-side experts
+(moe_kernels) are not built into these pieces yet.
 Beyond the last bucket a step computes long enough that its launches hide behind the device.
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ class PrefillGraphs:
 
     @staticmethod
     def supports(model: DecoderModel, kv_cache: torch.Tensor) -> bool:
-        """Whether the model's steps run on the fused kernels with row-wise MLPs (dense)."""
+        """Whether the model's steps run on the fused kernels with dense (gated) MLPs."""
         return (model.fusable(model.embed_tokens.weight, kv_cache.shape[3])
                 and all(isinstance(layer.mlp, GatedMLP) for layer in model.layers))
 
