@@ -43,6 +43,24 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def finish_fused(self, attn: torch.Tensor, residual: torch.Tensor,
+                     next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention's output projection `attn`, on the fused kernels: the
+        residual add into the post-attention norm, the MLP (SwiGLU's activation in one kernel,
+        gpt-oss's experts through moe_kernels at decode-sized batches), and its residual add
+        into `next_norm` (the next layer's input norm, or the final norm). Returns that norm's
+        output and the residual stream."""
+        post = self.post_attention_layernorm
+        normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps, residual)
+        mlp = self.mlp
+        if isinstance(mlp, GatedMLP):
+            out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj), mlp.down_proj)
+        elif isinstance(mlp, GptOssMoeBlock) and mlp.runs_fused(normed):
+            out = mlp.forward_slots(normed)  # [T, K, H]: add_rms_norm sums the slots
+        else:  # the experts run through torch (moe.run_experts, grouped_mm)
+            out = mlp(normed)
+        return kernels.add_rms_norm(out, next_norm.weight, next_norm.eps, residual)
+
 
 def _mlp(spec: ModelSpec, sparse: bool) -> GatedMLP | SparseMoeBlock | GptOssMoeBlock:
     if not sparse:
@@ -137,18 +155,7 @@ class DecoderModel(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for index, (layer, next_norm) in enumerate(zip(layers, norms)):
             attn = layer.self_attn.forward_fused(normed, table, positions, meta, kv_cache[index])
-            post = layer.post_attention_layernorm
-            normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps, residual)
-            mlp = layer.mlp
-            if isinstance(mlp, GatedMLP):
-                out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj),
-                                            mlp.down_proj)
-            elif isinstance(mlp, GptOssMoeBlock) and mlp.runs_fused(normed):
-                out = mlp.forward_slots(normed)  # [T, K, H]: add_rms_norm sums the slots
-            else:  # the experts run through torch (moe.run_experts, grouped_mm)
-                out = mlp(normed)
-            normed, residual = kernels.add_rms_norm(out, next_norm.weight, next_norm.eps,
-                                                    residual)
+            normed, residual = layer.finish_fused(attn, residual, next_norm)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

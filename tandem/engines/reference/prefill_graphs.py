@@ -117,13 +117,8 @@ class PrefillGraphs:
         else:
             layer = layers[index - 1]
             attn = kernels.linear(self.attn[:n], layer.self_attn.o_proj)
-            post = layer.post_attention_layernorm
-            normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps,
-                                                    self.residual[:n])
-            mlp = cast("GatedMLP", layer.mlp)
-            out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj), mlp.down_proj)
             norm = layers[index].input_layernorm if index < len(layers) else model.norm
-            normed, residual = kernels.add_rms_norm(out, norm.weight, norm.eps, residual)
+            normed, residual = layer.finish_fused(attn, self.residual[:n], norm)
         if index == len(layers):
             self.hidden[:n].copy_(normed)
             return
