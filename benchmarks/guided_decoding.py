@@ -53,9 +53,31 @@ SCHEMA = {"type": "object", "properties": {
     "score": {"type": "integer", "minimum": 0, "maximum": 100}},
     "required": ["summary", "tags", "score"]}
 GUIDED = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
-#: Each round's modes; --no-host-wait adds NO_WAIT.
+#: Each round's modes; --no-host-wait adds NO_WAIT, --switch-interval-ms SWITCHED ones.
 MODES: tuple[str, ...] = ("free", "schema")
 NO_WAIT = "schema, loop not waiting"
+SWITCHED = ", switch {} ms"
+
+
+def run_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modes each round runs, in order: the free baseline first."""
+    base = MODES + (NO_WAIT,) if args.no_host_wait else MODES
+    return base + tuple(m + SWITCHED.format(ms) for ms in args.switch_interval_ms for m in base)
+
+
+@contextlib.contextmanager
+def switch_interval(mode: str) -> Iterator[None]:
+    """The interpreter's thread switch interval a mode names (sys.setswitchinterval), else its
+    default: how long a thread that wants the GIL waits before it asks the holder to drop it."""
+    import sys
+
+    own = sys.getswitchinterval()
+    if ", switch " in mode:
+        sys.setswitchinterval(float(mode.rsplit(" ", 2)[1]) / 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(own)
 
 
 @contextlib.contextmanager
@@ -211,7 +233,7 @@ async def main_async(args: argparse.Namespace) -> None:
         from benchmarks.step_phases import StepPhases
         phases = StepPhases(engine)
         phases.install()
-    modes = MODES + (NO_WAIT,) if args.no_host_wait else MODES
+    modes = run_modes(args)
     rows: dict[tuple[int, str], list[dict]] = {}
     try:
         await one_round(engine, 4, 8, True, "warm-g")  # load the tokenizer and compile once
@@ -224,8 +246,9 @@ async def main_async(args: argparse.Namespace) -> None:
                     host.reset()
                     if phases is not None:
                         phases.reset()
-                    with loop_waits(mode != NO_WAIT):
-                        row = await one_round(engine, streams, args.max_tokens, mode != "free",
+                    with loop_waits(not mode.startswith(NO_WAIT)), switch_interval(mode):
+                        row = await one_round(engine, streams, args.max_tokens,
+                                              not mode.startswith("free"),
                                               f"r{r}-{streams}-{mode}")
                     row.update(host.summary())
                     if phases is not None:
@@ -246,8 +269,11 @@ async def main_async(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for streams in args.streams:
-        free = rows[(streams, "free")]
-        for mode in modes[1:]:
+        for mode in modes:
+            if mode.startswith("free"):
+                continue
+            at = mode.find(", switch")
+            free = rows[(streams, "free" + (mode[at:] if at >= 0 else ""))]
             schema = rows[(streams, mode)]
             itl_free, itl_schema = (med(r["itl_ms"] for r in free),
                                     med(r["itl_ms"] for r in schema))
@@ -389,6 +415,9 @@ def main() -> None:
     parser.add_argument("--no-host-wait", action="store_true",
                         help="also run the schema with the loop building the next step while "
                         "a guided launch's grammars work (not waiting for its host_done)")
+    parser.add_argument("--switch-interval-ms", type=float, nargs="*", default=[],
+                        help="also run every mode with the interpreter's thread switch "
+                        "interval at each of these (default 5 ms)")
     parser.add_argument("--mask-costs", action="store_true",
                         help="time the grammar's host work alone (no engine) and exit")
     args = parser.parse_args()
