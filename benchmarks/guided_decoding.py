@@ -56,13 +56,30 @@ GUIDED = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
 #: Each round's modes; --no-host-wait adds NO_WAIT, --switch-interval-ms SWITCHED ones.
 MODES: tuple[str, ...] = ("free", "schema")
 NO_WAIT = "schema, loop not waiting"
+#: --steps-thread-masks: the mask filled on the steps' thread, between launches (before StepMasks).
+STEPS_THREAD = "schema, mask on the steps' thread"
 SWITCHED = ", switch {} ms"
 
 
 def run_modes(args: argparse.Namespace) -> tuple[str, ...]:
     """The modes each round runs, in order: the free baseline first."""
-    base = MODES + (NO_WAIT,) if args.no_host_wait else MODES
+    base = MODES + (NO_WAIT,) * args.no_host_wait + (STEPS_THREAD,) * args.steps_thread_masks
     return base + tuple(m + SWITCHED.format(ms) for ms in args.switch_interval_ms for m in base)
+
+
+@contextlib.contextmanager
+def mask_thread(engine: BatchingEngine, mode: str) -> Iterator[None]:
+    """The engine's guided masks filled on their own thread (StepMasks, on CUDA), or, for
+    STEPS_THREAD, on the steps' thread between launches, as before."""
+    steps = getattr(engine, "overlap", None)
+    own = steps.masks if steps is not None else None
+    if own is not None and mode.startswith(STEPS_THREAD):
+        steps.masks = None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if steps is not None:
+            steps.masks = own
 
 
 @contextlib.contextmanager
@@ -157,18 +174,40 @@ def padded_vocab() -> None:
     matcher.Guide.defer = lambda guide, token_id: accept(guide, token_id)  # type: ignore
 
 
+def valid_json(text: str) -> bool:
+    """Whether `text` is one JSON object of SCHEMA's shape (its fields, their types)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == set(SCHEMA["required"])
+            and isinstance(value["summary"], str) and isinstance(value["tags"], list)
+            and all(isinstance(t, str) for t in value["tags"])
+            and isinstance(value["score"], int) and 0 <= value["score"] <= 100)
+
+
 async def one_round(engine: BatchingEngine, streams: int, max_tokens: int, guided: bool,
-                    tag: str) -> dict:
+                    tag: str, decode: Callable[[list[int]], str] | None = None) -> dict:
+    """One round of `streams` requests; with `decode` (guided), how many stopped on their
+    grammar's end and how many of those are valid JSON of the schema."""
+    ends: list[tuple[list[int], str | None]] = []
+
     async def run(i: int) -> tuple[int, float | None, list[float]]:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
                                   ignore_eos=not guided, guided=GUIDED if guided else None)
         stream = engine.add_request(EngineRequest(f"{tag}-{i}", (1, 2, 3, 4 + i % 50), sampling))
         times: list[float] = []
         count = 0
+        ids: list[int] = []
+        reason = None
         async for chunk in stream:
             if chunk.token_ids:
                 times.append(time.perf_counter())
                 count += len(chunk.token_ids)
+                ids.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                reason = chunk.finish_reason.value
+        ends.append((ids, reason))
         itl = (times[-1] - times[0]) / (count - 1) if count > 1 and len(times) > 1 else None
         return count, itl, [b - a for a, b in zip(times, times[1:])]
 
@@ -181,7 +220,10 @@ async def one_round(engine: BatchingEngine, streams: int, max_tokens: int, guide
     # Where a request's ITL goes: its first gap, its usual one, and its gaps over twice its
     # usual (each the median over requests).
     gaps = [(g, med(g)) for _, _, g in results if len(g) > 1]
-    return {"tok/s": tokens / seconds, "itl_ms": 1000 * med(itls),
+    stopped = [ids for ids, reason in ends if reason == "stop"]
+    return {"stopped": len(stopped),
+            "valid": sum(valid_json(decode(ids)) for ids in stopped) if decode else 0,
+            "tok/s": tokens / seconds, "itl_ms": 1000 * med(itls),
             "tokens/request": tokens / streams,
             "first_gap_ms": 1000 * med(g[0] for g, _ in gaps) if gaps else 0.0,
             "gap_p50_ms": 1000 * med(usual for _, usual in gaps) if gaps else 0.0,
@@ -225,6 +267,12 @@ async def main_async(args: argparse.Namespace) -> None:
         draw_noise.serves = lambda out: False  # type: ignore[assignment]
     engine = create_reference_engine(engine_args)
     assert isinstance(engine, BatchingEngine)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
     await engine.start()
     host = HostTimes()
     host.install()
@@ -246,10 +294,11 @@ async def main_async(args: argparse.Namespace) -> None:
                     host.reset()
                     if phases is not None:
                         phases.reset()
-                    with loop_waits(not mode.startswith(NO_WAIT)), switch_interval(mode):
+                    with (loop_waits(not mode.startswith(NO_WAIT)), switch_interval(mode),
+                          mask_thread(engine, mode)):
                         row = await one_round(engine, streams, args.max_tokens,
                                               not mode.startswith("free"),
-                                              f"r{r}-{streams}-{mode}")
+                                              f"r{r}-{streams}-{mode}", decode)
                     row.update(host.summary())
                     if phases is not None:
                         row["phases"] = phases.summary()
@@ -264,9 +313,9 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{vocab}; fill threads {matcher.fill_threads()}; sampler noise "
           f"{'per row' if args.per_row_noise else 'batched'}\n")
     print("| streams | unconstrained tok/s | JSON schema tok/s | unconstrained ITL ms | "
-          "JSON schema ITL ms | ITL cost | tokens / request (schema) | mask fill ms/step | "
-          "grammar on the loop ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "JSON schema ITL ms | ITL cost | tokens / request (schema) | valid JSON / stopped "
+          "(schema, all rounds) | mask fill ms/step | grammar on the loop ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for streams in args.streams:
         for mode in modes:
@@ -282,6 +331,7 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{med(r['tok/s'] for r in schema):.0f} | {itl_free:.2f} | {itl_schema:.2f} | "
                   f"{100 * (itl_schema / itl_free - 1):+.0f}% | "
                   f"{med(r['tokens/request'] for r in schema):.0f} | "
+                  f"{sum(r['valid'] for r in schema)} / {sum(r['stopped'] for r in schema)} | "
                   f"{med(r.get('fill_ms', 0.0) for r in schema):.2f} | "
                   f"{med(r.get('accept_ms', 0.0) for r in schema):.2f} |")
     if phases is not None:
@@ -415,6 +465,9 @@ def main() -> None:
     parser.add_argument("--no-host-wait", action="store_true",
                         help="also run the schema with the loop building the next step while "
                         "a guided launch's grammars work (not waiting for its host_done)")
+    parser.add_argument("--steps-thread-masks", action="store_true",
+                        help="also run the schema with its masks filled on the steps' thread "
+                        "between launches, as before the mask thread (CUDA)")
     parser.add_argument("--switch-interval-ms", type=float, nargs="*", default=[],
                         help="also run every mode with the interpreter's thread switch "
                         "interval at each of these (default 5 ms)")

@@ -9,15 +9,18 @@ tandem.engines.reference.overlap) and its step loop, and records per launched st
   sampling, and the gap before the next step's launch start (the device idle, waiting for the
   host to queue it; ~0 when the host runs ahead);
 - on the steps' thread (host): the whole launch, queuing the draws' noise (guided steps), the
-  mask's whole work (`constrain`: the wait for the previous step's tokens, the grammars'
-  deferred accepts and the mask fill, then the mask's copy and application);
+  mask's work there (`constrain`: on CUDA queuing the wait on the host flag, the mask's copy
+  and application; on the CPU also the wait for the previous step's tokens, the grammars'
+  deferred accepts and the mask fill);
+- on the mask thread (CUDA): the whole fill (`mask thread`: the wait for the previous step's
+  tokens, the accepts and the fill), of which the accepts and the fill;
 - on the event loop: scheduling, building the inputs and queuing the launch, waiting for the
   step settled, applying its tokens (emit to the streams), and the rest of the loop per step.
 
-A guided launch's critical path: the previous step's event, then accepts + fill + apply on the
-steps' thread, while the device runs this step's forward pass. The device waits for the mask
-when that host path is longer than the forward pass ("mask wait"), and for the next launch when
-the loop and the steps' thread together take longer than the step ("launch gap").
+A guided step's mask is ready once the previous step's event fired and the mask thread's accepts
+and fill are done, while the device runs this step's forward pass. The device waits for the
+mask when that host path is longer than the forward pass ("mask wait"), and for the next launch
+when the loop and the steps' thread together take longer than the step ("launch gap").
 
 Used by benchmarks/guided_decoding.py --phases. Wrapping costs ~10 us per phase on the host.
 """
@@ -73,10 +76,13 @@ class StepPhases:
         self.launches: list[_Launch] = []
         self.loop: list[dict[str, float]] = []
         self._current: _Launch | None = None
+        #: The launch whose mask the mask thread fills, and each launch by its step.
+        self._mask_current: _Launch | None = None
+        self._by_step: dict[int, _Launch] = {}
         self._loop_step: dict[str, float] = {}
 
     def reset(self) -> None:
-        self.launches, self.loop = [], []
+        self.launches, self.loop, self._by_step = [], [], {}
 
     # ---- wrapping ---------------------------------------------------------------------------
 
@@ -91,9 +97,8 @@ class StepPhases:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    launch = tracer._current
-                    if launch is not None and threading.current_thread().name.startswith(
-                            "tandem-steps"):
+                    launch = tracer._launch_of_thread()
+                    if launch is not None:
                         launch.host[name] = launch.host.get(name, 0.0) + (
                             time.perf_counter() - start)
             return wrapper
@@ -107,6 +112,7 @@ class StepPhases:
             record.guided = guides is not None
             tracer._current = record
             tracer.launches.append(record)  # before the launch ends: the loop may settle it
+            tracer._by_step[id(step)] = record
             record.events["start"] = _event()
             start = time.perf_counter()
             launch_fn(step, inputs, samples, guides, previous, rows)
@@ -136,12 +142,31 @@ class StepPhases:
         steps._launch = traced_launch
         steps.decode_logits = traced_logits
         steps.sampler.launch = traced_sampler_launch
-        steps._constrain = timed_host("constrain", steps._constrain)
+        overlap._constrain = timed_host("constrain", overlap._constrain)
         steps.sampler.noise = timed_host("noise", steps.sampler.noise)
+        if steps.masks is not None:
+            masks, fill = steps.masks, steps.masks._fill
+            masks.queue = timed_host("constrain", masks.queue)
+
+            def traced_fill(step: Any, *args: Any) -> None:
+                tracer._mask_current = tracer._by_step.pop(id(step), None)
+                timed_host("mask_thread", fill)(step, *args)
+                tracer._mask_current = None
+
+            masks._fill = traced_fill
         overlap.fill_bitmask = timed_host("fill", overlap.fill_bitmask)
         overlap.apply_bitmask = timed_host("apply", traced_apply)
 
         self._wrap_loop(engine)
+
+    def _launch_of_thread(self) -> _Launch | None:
+        """The launch the calling thread works on: the steps' thread's, the mask thread's."""
+        name = threading.current_thread().name
+        if name.startswith("tandem-steps"):
+            return self._current
+        if name.startswith("tandem-masks"):
+            return self._mask_current
+        return None
 
     def _wrap_loop(self, engine: Any) -> None:
         tracer = self
@@ -215,7 +240,7 @@ class StepPhases:
             for name, values in device.items():
                 if values:
                     out[f"gpu_{name}"] = med(values)
-            for name in ("launch", "noise", "constrain", "fill", "apply"):
+            for name in ("launch", "noise", "constrain", "mask_thread", "fill", "apply"):
                 values = [1000 * r.host[name] for r in launches if name in r.host]
                 if values:
                     out[f"thread_{name}"] = med(values)
@@ -234,7 +259,7 @@ class StepPhases:
 COLUMNS = [("gpu_fwd", "GPU fwd"), ("gpu_mask_wait", "GPU mask wait"), ("gpu_sample", "GPU sample"),
            ("gpu_launch_gap", "GPU launch gap"), ("thread_launch", "thread launch"),
            ("thread_noise", "thread noise"), ("thread_constrain", "thread constrain"),
-           ("thread_fill", "thread accepts+fill"), ("thread_apply", "thread apply"),
+           ("thread_mask_thread", "mask thread"), ("thread_fill", "accepts+fill"), ("thread_apply", "thread apply"),
            ("loop_step", "loop step"), ("loop_schedule", "loop schedule"),
            ("loop_launch", "loop launch"), ("loop_wait", "loop wait"), ("loop_emit", "loop emit")]
 

@@ -364,11 +364,11 @@ def _chunk_pool(chunks: int) -> concurrent.futures.ThreadPoolExecutor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets the logits of forbidden tokens to -inf, in place, on the logits' device.
 
-    On CUDA the bitmask goes up through pinned memory without blocking the host, so the step
-    gains no host synchronisation."""
+    A CPU bitmask for CUDA logits goes up through pinned memory without blocking the host, so
+    the step gains no host synchronisation."""
     import xgrammar
 
-    if logits.device.type != "cpu":
+    if bitmask.device != logits.device:
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 

@@ -93,7 +93,7 @@ class ReferenceEngine(BatchingEngine):
                                and PrefillGraphs.supports(model, kv_cache) else None)
         #: Decode steps launched ahead of their tokens; None with --disable-overlap-scheduler.
         self.overlap = (None if args.disable_overlap_scheduler
-                        else OverlapSteps(self.sampler, self._decode_logits))
+                        else OverlapSteps(self.sampler, self._decode_logits, device))
         #: The host KV tier's memory (--kv-host-cache-bytes), None without one.
         host = self.pool.host
         self.host_kv = HostKvStore(kv_cache, host.total) if host is not None else None
