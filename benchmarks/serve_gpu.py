@@ -423,8 +423,10 @@ def print_ttft_split(log: pathlib.Path, grid: dict, stack: dict) -> None:
     client = stack[keys[0]].get("ttft_ms") if len(keys) == 1 else None
     if client and len(rows) >= len(client):  # the point's requests came last (probes first)
         rows = rows[-len(client):]
+    wave = next(c for (_, _), points in grid.items() for c, _ in points) if client else 0
+    arrivals = f"first wave:\n{ttft_split.arrival_table(rows, wave)}\n" if wave > 1 else ""
     print(f"TTFT split ({len(rows)} traced requests):\n{ttft_split.table(rows, client)}\n"
-          f"engine steps:\n{ttft_split.step_table(found)}", flush=True)
+          f"{arrivals}engine steps:\n{ttft_split.step_table(found)}", flush=True)
 
 
 def table(grid: dict, engine: dict, stack: dict) -> str:

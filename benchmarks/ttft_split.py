@@ -12,10 +12,11 @@ Reads the spans that `tandem up` printed with `OTEL_TRACES_EXPORTER=console` (se
 - the client's TTFT (from the load generator) minus the three: the first token's way back
   (session frame, detokenization, SSE) and the client's own send and read.
 
-With --steps, also the engine's steps (`engine.step` spans): which step admitted and finished
+With --wave N, how the first N requests (a burst) reach the worker, hop by hop. With --steps,
+also the engine's steps (`engine.step` spans): which step admitted and finished
 which prompts, and how long each took.
 
-    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...] [--steps]
+    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...] [--wave 64] [--steps]
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _ns(stamp: str) -> int:
     return int(when.timestamp()) * 10**9 + when.microsecond * 1000
 
 
-def split(all_spans: list[dict]) -> list[dict[str, float]]:
+def split(all_spans: list[dict]) -> list[dict]:
     """Per traced streamed request, in start order: ms of each part (see the docstring)."""
     by_trace: dict[str, list[dict]] = {}
     for s in all_spans:
@@ -67,7 +68,7 @@ def split(all_spans: list[dict]) -> list[dict[str, float]]:
             continue
         t0, t1 = _ns(http["start_time"]), _ns(client["start_time"])
         t2, t3 = _ns(server["start_time"]), _ns(first["timestamp"])
-        rows.append({"start": t0, "before the call": (t1 - t0) / 1e6,
+        rows.append({"start": t0, "at": (t0, t1, t2, t3), "before the call": (t1 - t0) / 1e6,
                      "to the worker": (t2 - t1) / 1e6, "worker to first token": (t3 - t2) / 1e6,
                      "first token at the worker": (t3 - t0) / 1e6})
     return sorted(rows, key=lambda r: r["start"])
@@ -109,7 +110,25 @@ def step_table(all_spans: list[dict]) -> str:
     return "\n".join(out)
 
 
-def table(rows: list[dict[str, float]], client_ttft_ms: list[float] | None = None) -> str:
+def arrival_table(rows: list[dict], wave: int) -> str:
+    """How a burst of `wave` requests (the first, in start order) reaches the worker: each hop's
+    start, ms after the first request's HTTP span began, at quantiles over the burst. A hop
+    whose spread is much wider than the one before it serializes the burst."""
+    burst = rows[:wave]
+    if not burst:
+        return "(no traced requests)"
+    t0 = burst[0]["at"][0]
+    hops = ["HTTP request", "call to the worker", "worker received", "first token"]
+    out = ["| hop starts, ms after the first request | min | p25 | p50 | p75 | max |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for i, hop in enumerate(hops):
+        at = sorted((r["at"][i] - t0) / 1e6 for r in burst)
+        q = [at[round(f * (len(at) - 1))] for f in (0, 0.25, 0.5, 0.75, 1)]
+        out.append(f"| {hop} | " + " | ".join(f"{v:.1f}" for v in q) + " |")
+    return "\n".join(out)
+
+
+def table(rows: list[dict], client_ttft_ms: list[float] | None = None) -> str:
     """Medians of each part; with the client's TTFTs (same order and count), the rest."""
     keys = ["before the call", "to the worker", "worker to first token",
             "first token at the worker"]
@@ -131,12 +150,16 @@ def main() -> None:
     parser.add_argument("log", type=pathlib.Path)
     parser.add_argument("--client-ttft-ms", type=float, nargs="*")
     parser.add_argument("--steps", action="store_true", help="also the engine's steps")
+    parser.add_argument("--wave", type=int, default=0,
+                        help="also how the first WAVE requests reach the worker")
     args = parser.parse_args()
     found = spans(args.log.read_text(errors="replace"))
     rows = split(found)
     print(f"{len(rows)} traced requests")
     if rows:
         print(table(rows, args.client_ttft_ms))
+    if rows and args.wave:
+        print(arrival_table(rows, args.wave))
     if args.steps:
         print(step_table(found))
 

@@ -282,3 +282,30 @@ def test_exponential_rows_are_exp1_and_a_function_of_the_seed_alone() -> None:
         assert torch.equal(alone[0], out[i])
     corr = torch.corrcoef(out.double())
     assert (corr - torch.eye(len(seeds), device="cuda", dtype=torch.float64)).abs().max() < 0.1
+
+
+if kernels.triton is not None:
+
+    @kernels.triton.jit
+    def _plus_one(x_ptr, n, BLOCK: kernels.tl.constexpr):
+        offsets = kernels.tl.arange(0, BLOCK)
+        mask = offsets < n
+        kernels.tl.store(x_ptr + offsets, kernels.tl.load(x_ptr + offsets, mask=mask) + 1,
+                         mask=mask)
+
+
+def test_kernels_compiled_after_the_watch_starts_are_recorded() -> None:
+    """jit_watch: a kernel compiled (or loaded from Triton's disk cache) for the first time in
+    the process is recorded and logged; launching it again records nothing."""
+    from tandem.engines.reference import jit_watch
+
+    if not jit_watch.watch():
+        pytest.skip("this Triton has no compile hooks")
+    x = torch.zeros(8, device="cuda")
+    before = len(jit_watch.compiled)
+    _plus_one[(1,)](x, 8, BLOCK=8)
+    assert [name for name, _ in jit_watch.compiled[before:]] == ["_plus_one"]
+    assert jit_watch.compiled[-1][1] >= 0
+    _plus_one[(1,)](x, 8, BLOCK=8)
+    assert len(jit_watch.compiled) == before + 1
+    assert x.tolist() == [2.0] * 8

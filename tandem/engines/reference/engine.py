@@ -28,6 +28,7 @@ from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_arg
 from tandem.engines.batching.host_copies import CopyTiming
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
+from tandem.engines.reference import jit_watch
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.embed_engine import ReferenceEmbedEngine, create_embed_engine
@@ -113,6 +114,7 @@ class ReferenceEngine(BatchingEngine):
             steps = await asyncio.to_thread(self._warm_eager_steps)
             log.info("eager steps warmed", extra={
                 "steps": steps, "seconds": round(time.perf_counter() - started, 1)})
+            jit_watch.watch()  # a compilation from here on is on a request's step
         await super().start()
 
     def _warm_eager_steps(self) -> int:
