@@ -55,4 +55,4 @@ def _after(**kwargs: Any) -> None:
     name = getattr(fn, "name", None) or str(fn)
     compiled.append((name, ms))
     log.warning("Triton kernel compiled while serving", extra={
-        "kernel": name, "ms": round(ms, 1), "variant": str(kwargs.get("repr", ""))[:300]})
+        "kernel": name, "ms": round(ms, 1), "variant": str(kwargs.get("repr", ""))[:2000]})

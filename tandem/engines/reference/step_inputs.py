@@ -115,18 +115,28 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device,
     # for the 2,500 values of 64 sequences of 1,000 tokens, 0.07 ms through the array, on a
     # development VM). Pinned on CUDA: a copy from pageable memory may wait for the stream,
     # and a step launched ahead (batching.ahead) is built while the previous one computes.
+    # Each part starts 16 bytes into the copy (an even count of int64 before it): Triton
+    # compiles a kernel per 16-byte alignment of its pointers, so a part at an odd offset (an
+    # odd token count before it) would compile variants on a request's step (jit_watch).
     parts = (token_ids, positions, slots, context_lens, rows, singles,
              [query_start[s] for s in singles])
-    values = array.array("q", itertools.chain(*parts, *(t + [0] * (width - len(t))
-                                                        for t in tables)))
+    pads = [[0] * (len(part) & 1) for part in parts]
+    values = array.array("q", itertools.chain(
+        *itertools.chain.from_iterable(zip(parts, pads)),
+        *(t + [0] * (width - len(t)) for t in tables)))
     flat = torch.frombuffer(values, dtype=torch.long)
     if device.type == "cuda":
         flat = flat.pin_memory()
     flat = flat.to(device, non_blocking=True)
-    ids_t, positions_t, slots_t, context_t, rows_t, singles_t, single_rows_t, tables_t = \
-        flat.split([*(len(part) for part in parts), len(tables) * width])
+    views = flat.split([*(len(part) + len(pad) for part, pad in zip(parts, pads)),
+                        len(tables) * width])
+    ids_t, positions_t, slots_t, context_t, rows_t, singles_t, single_rows_t = (
+        view[:len(part)] for view, part in zip(views, parts))
+    tables_t = views[-1]
     num_seqs = len(context_lens)
-    decode_rows = flat[:4 * num_seqs].view(4, num_seqs) if is_decode_only else None
+    stride = num_seqs + (num_seqs & 1)
+    decode_rows = (flat[:4 * stride].view(4, stride)[:, :num_seqs] if is_decode_only
+                   else None)
     block_tables = tables_t.view(len(tables), width)
     decode_part = None
     if singles:
