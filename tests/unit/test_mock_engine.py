@@ -541,3 +541,76 @@ async def test_batch_wait_holds_a_burst_for_one_step_and_a_lone_request_for_the_
 def test_batch_wait_timeout_must_not_be_negative(tiny_model: str) -> None:
     with pytest.raises(InvalidRequest, match="batch_wait_timeout_ms"):
         create_engine("mock", EngineArgs(model=tiny_model, batch_wait_timeout_ms=-1))
+
+
+class _Queue:
+    """What BatchWait reads of a scheduler."""
+
+    def __init__(self, waiting: int, running: int = 0, tokens: int = 24) -> None:
+        self.waiting = [_Waiting(tokens) for _ in range(waiting)]
+        self.running = [object()] * running
+        self.loaded: list[object] = []
+        self.max_batch_size = 8
+        self.max_num_tokens = 1000
+
+
+class _Waiting:
+    def __init__(self, tokens: int) -> None:
+        self.token_ids = [0] * tokens
+        self.num_computed = 0
+        self.kv_handle = None
+
+
+def test_the_burst_hold_waits_while_prompts_keep_arriving(monkeypatch) -> None:  # noqa: ANN001
+    """--batch-wait-burst-ms: a lone prompt is never held; two or more are held while the last
+    came under BURST_GAP_MS ago, running requests or not, for at most the burst limit; a full
+    batch or token budget starts at once."""
+    from tandem.engines.batching import batch_wait
+    from tandem.engines.batching.batch_wait import BURST_GAP_MS, BatchWait
+
+    now = [100.0]
+    monkeypatch.setattr(batch_wait.time, "monotonic", lambda: now[0])
+    gap = BURST_GAP_MS / 1000
+    wait = BatchWait(0.0, burst_ms=20)
+    wait.arrived()
+    assert wait.hold_s(_Queue(1)) == 0  # lone: never held
+    assert wait.hold_s(_Queue(3, running=1)) == pytest.approx(gap)
+    now[0] += gap / 2
+    assert wait.hold_s(_Queue(3, running=1)) == pytest.approx(gap / 2)
+    now[0] += gap  # nothing arrived since: the burst is over
+    assert wait.hold_s(_Queue(3, running=1)) == 0
+    for _ in range(12):  # arrivals 2 ms apart hold it, up to the 20 ms limit
+        wait.arrived()
+        held = wait.hold_s(_Queue(4))
+        now[0] += 0.002
+    assert held == 0 and now[0] - 100.0 > 0.02
+    wait.arrived()
+    assert wait.hold_s(_Queue(8)) == 0  # fills the batch
+    assert wait.hold_s(_Queue(3, running=5)) == 0  # with the running ones too
+    assert wait.hold_s(_Queue(2, tokens=500)) == 0  # fills the token budget
+    assert BatchWait(0.0).hold_s(_Queue(3)) == 0  # off by default
+
+
+async def test_a_burst_after_a_lone_first_prompt_is_admitted_in_one_step(make_engine) -> None:  # noqa: ANN001
+    """The engine with the burst hold: a lone request is not held (its first token comes long
+    before the hold's limit); the prompts of a burst that arrive while the first one's step
+    runs are admitted together."""
+    engine = await make_engine(batch_wait_burst_ms=2000)
+    plans = record_plans(engine)
+    start = time.monotonic()
+    alone = engine.add_request(req("alone", prompt(0, 24), 2))
+    assert (await collect(alone)).finish == FinishReason.LENGTH
+    assert time.monotonic() - start < 1.5
+    plans.clear()
+    streams = [engine.add_request(req("first", prompt(100, 24), 4))]
+    await asyncio.sleep(0)  # the first starts alone
+    for i in range(4):  # two arrive while it runs, then two more, 0.5 ms apart
+        streams.append(engine.add_request(req(f"b{i}", prompt(200 + 40 * i, 24), 4)))
+        if i:
+            await asyncio.sleep(0.0005)
+    start = time.monotonic()
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert time.monotonic() - start < 1.5
+    assert all(r.finish == FinishReason.LENGTH for r in results)
+    admitted = [p[0].num_admitted for p in plans if p[0].num_admitted]
+    assert admitted == [1, 4], admitted
