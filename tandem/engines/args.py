@@ -44,10 +44,6 @@ class EngineArgs:
     #: prefilled in full steps; 0: off. TensorRT-LLM's batch_wait_timeout_ms. A lone request
     #: pays the whole wait: for bursty loads.
     batch_wait_timeout_ms: float = 0.0
-    #: Milliseconds the engine may hold new prompts while a burst of them is still arriving (at
-    #: least two wait, the last came under 3 ms ago), even with requests running; a lone
-    #: request is never held. 0: off.
-    batch_wait_burst_ms: float = 0.0
     #: Reference engine and TensorRT-LLM: compute each decode step in full before scheduling
     #: the next, instead of launching the next while the device computes this one.
     disable_overlap_scheduler: bool = False

@@ -94,7 +94,7 @@ class BatchingEngine(Engine):
         self.host_copies = HostCopies(self)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
         #: --batch-wait-timeout-ms: an idle engine holds a burst's first prompts for the rest.
-        self._batch_wait = BatchWait(args.batch_wait_timeout_ms, args.batch_wait_burst_ms)
+        self._batch_wait = BatchWait(args.batch_wait_timeout_ms)
         #: Told of each step (set_step_observer: traces); None: nobody asked.
         self._step_observer: StepObserver | None = None
         self._requests: dict[str, BatchRequest] = {}
@@ -201,7 +201,6 @@ class BatchingEngine(Engine):
                            self.args.kv_block_size, lease_ms, guide)
         self._requests[request.request_id] = req
         self.scheduler.add(req)
-        self._batch_wait.arrived()
         self._wakeup.set()
         return stream
 

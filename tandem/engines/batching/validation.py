@@ -94,9 +94,9 @@ def validate_args(args: EngineArgs) -> None:
     if args.num_gpu_blocks < 0:
         raise InvalidRequest(f"num_gpu_blocks must be >= 0, got {args.num_gpu_blocks}",
                              param="num_gpu_blocks")
-    for name in ("batch_wait_timeout_ms", "batch_wait_burst_ms"):
-        if not getattr(args, name) >= 0:  # NaN too
-            raise InvalidRequest(f"{name} must be >= 0, got {getattr(args, name)}", param=name)
+    if not args.batch_wait_timeout_ms >= 0:  # NaN too
+        raise InvalidRequest(f"batch_wait_timeout_ms must be >= 0, got "
+                             f"{args.batch_wait_timeout_ms}", param="batch_wait_timeout_ms")
     if args.kv_host_cache_bytes < 0:
         raise InvalidRequest(f"kv_host_cache_bytes must be >= 0, got {args.kv_host_cache_bytes}",
                              param="kv_host_cache_bytes")

@@ -78,10 +78,6 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
         out["disable_overlap_scheduler"] = True
     if args.batch_wait_timeout_ms > 0:
         out["batch_wait_timeout_ms"] = args.batch_wait_timeout_ms
-    if args.batch_wait_burst_ms > 0:
-        raise InvalidRequest("--batch-wait-burst-ms is Tandem's batching engines' (reference, "
-                             "mock); TensorRT-LLM has --batch-wait-timeout-ms only",
-                             param="batch_wait_burst_ms")
     if args.guided_decoding_backend != "none":
         out["guided_decoding_backend"] = args.guided_decoding_backend
         # Upstream builds its grammar backend from the LLM's tokenizer (create_py_executor
