@@ -18,7 +18,10 @@ The thread that writes the value must never be one that launches work behind the
 CUDA's lazy loading (the default), the first launch of a kernel not yet loaded waits for the
 device to be idle, that is for the wait to end (seen on the H100: a test that launched a new
 kernel behind the wait and then wrote the value hung). The engine writes from the mask thread,
-which launches nothing.
+which launches nothing. A launch blocked that way must not hold the GIL either, or the mask
+thread could not run: PyTorch's operators and Triton's launcher release it while they call
+into CUDA. Seen on the H100: the first guided steps of every fresh engine, whose mask and
+sampling kernels loaded behind the wait, did not hang (benchmarks/guided_decoding.py, issue 25).
 """
 from __future__ import annotations
 
