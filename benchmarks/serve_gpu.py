@@ -164,7 +164,13 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
                 max_seq: int, log: pathlib.Path,
                 extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `tandem up` in a session of its own; returns it and the HTTP base URL once it
-    printed READY (raises with the log's tail if it exits or takes too long)."""
+    printed READY (raises with the log's tail if it exits or takes too long). Leading words
+    of `extra` of the form NAME=VALUE (NAME upper case) go into its environment."""
+    extra = list(extra or [])
+    assigned = {}
+    while extra and "=" in extra[0] and extra[0].split("=", 1)[0].isupper():
+        name, value = extra.pop(0).split("=", 1)
+        assigned[name] = value
     argv = [sys.executable, "-m", "tandem.cli", "up", "--engine", "reference",
             "--model", str(model), "--served-model-name", "bench",
             "--device", args.device, "--dtype", args.dtype, "--load-format", "dummy",
@@ -173,10 +179,10 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
             "--max-num-tokens", "8192", "--http-port", str(args.http_port),
             "--grpc-port", str(args.http_port + 1), "--router-port", str(args.http_port + 100),
             "--decode-ports", str(args.http_port + 200), "--restart-policy", "no",
-            "--grace-period-s", "5", "--log-level", "warning", *(extra or [])]
-    print("$ " + " ".join(argv[1:]), flush=True)
+            "--grace-period-s", "5", "--log-level", "warning", *extra]
+    print("$ " + " ".join([*(f"{k}={v}" for k, v in assigned.items()), *argv[1:]]), flush=True)
     handle = log.open("w")
-    env = dict(os.environ)
+    env = {**os.environ, **assigned}
     if args.trace:  # every span to the log at exit (benchmarks/ttft_split.py reads them)
         env.update(OTEL_TRACES_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="3600000",
                    OTEL_BSP_MAX_QUEUE_SIZE="1000000", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1000000")
@@ -480,8 +486,8 @@ def main() -> None:
                         "(py-spy on PATH; raw stacks into --out)")
     parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "ARGS"),
                         help="serve the grid once per variant: a name and `tandem up` flags "
-                        "added to the defaults, after a leading space (repeatable; default: "
-                        "one, no flags)")
+                        "added to the defaults, after a leading space, led by any NAME=VALUE "
+                        "for its environment (repeatable; default: one, no flags)")
     parser.add_argument("--engine-after", action="store_true",
                         help="run the engine alone again after the stack, at one stream: its "
                         "TTFT there varies between calls more than the stack's does")

@@ -26,6 +26,7 @@ from tandem.runtime import unix_sockets
 from tandem.runtime.gc_tuning import freeze_startup_heap, thaw
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
+from tandem.runtime.switch_interval import shorten_switch_interval
 from tandem.runtime.tls import TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ class GrpcService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         freeze_startup_heap()  # the process is built: no full GC pass scans it again
+        shorten_switch_interval()  # TANDEM_SWITCH_INTERVAL_MS, where set
         await self.start()
         await self._stop.wait()
         await self.shutdown()
