@@ -211,8 +211,12 @@ class StepMasks:
         bitmask = buffer[:n]
         value = self.flag.next_value()
         self.flag.wait(value)
-        self.executor.submit(self._fill, step, bitmask, logits.shape[-1], guides, previous,
-                             rows, self._copied, value)
+        try:
+            self.executor.submit(self._fill, step, bitmask, logits.shape[-1], guides, previous,
+                                 rows, self._copied, value)
+        except BaseException:
+            self.flag.set(value)  # no fill will write it: the device must not wait for ever
+            raise
         on_device = bitmask.to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
