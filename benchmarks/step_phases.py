@@ -259,7 +259,8 @@ class StepPhases:
 COLUMNS = [("gpu_fwd", "GPU fwd"), ("gpu_mask_wait", "GPU mask wait"), ("gpu_sample", "GPU sample"),
            ("gpu_launch_gap", "GPU launch gap"), ("thread_launch", "thread launch"),
            ("thread_noise", "thread noise"), ("thread_constrain", "thread constrain"),
-           ("thread_mask_thread", "mask thread"), ("thread_fill", "accepts+fill"), ("thread_apply", "thread apply"),
+           ("thread_mask_thread", "mask thread"), ("thread_fill", "accepts+fill"),
+           ("thread_apply", "thread apply"),
            ("loop_step", "loop step"), ("loop_schedule", "loop schedule"),
            ("loop_launch", "loop launch"), ("loop_wait", "loop wait"), ("loop_emit", "loop emit")]
 

@@ -155,7 +155,6 @@ class OverlapSteps:
         self.collector.shutdown(wait=True)
 
 
-
 def _take_previous(guides: list[Guide | None], previous: LaunchedStep | None,
                    rows: list[int] | None) -> None:
     """The grammars take the previous step's tokens (that step's `taken`), which are on the
