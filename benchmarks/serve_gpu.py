@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -45,6 +46,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # noqa: E402
+from tandem.engines.args import EngineArgs  # noqa: E402
 
 #: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (12 and 6 at one stream).
 GRID = {(200, 200): [(1, 12), (16, 32), (64, 128), (128, 256)],
@@ -92,17 +94,16 @@ def kv_blocks(grid: dict) -> int:
 # ---------------------------------------------------------------- the engine alone (offline)
 
 async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
-                  warmup: bool = True) -> dict:
+                  warmup: bool = True, max_num_tokens: int = EngineArgs.max_num_tokens) -> dict:
     """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
     from benchmarks.mixed_gpu import closed_loop
-    from tandem.engines.args import EngineArgs
     from tandem.engines.reference.engine import create_reference_engine
 
     batches = sorted({c for points in grid.values() for c, _ in points})
     engine = create_reference_engine(EngineArgs(
         model=str(model), device=device, dtype=dtype, load_format="dummy",
         num_gpu_blocks=kv_blocks(grid), kv_block_size=BLOCK, max_batch_size=max(batches),
-        max_num_tokens=8192, enable_prefix_caching=False))
+        max_num_tokens=max_num_tokens, enable_prefix_caching=False))
     await engine.start()
     rng = random.Random(1)
 
@@ -152,6 +153,7 @@ def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace,
         argv = [sys.executable, __file__, "--phase-offline", str(out), "--model", str(model)]
         argv += ["--smoke"] if args.smoke else []
         argv += ["--no-warmup"] if args.no_warmup else []
+        argv += ["--max-num-tokens", str(args.max_num_tokens)]
         argv += ["--only", args.only] if args.only else []
         argv += ["--concurrency", *map(str, concurrency)] if concurrency else []
         subprocess.run(argv, check=True)
@@ -176,7 +178,7 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
             "--device", args.device, "--dtype", args.dtype, "--load-format", "dummy",
             "--max-seq-len", str(max_seq), "--num-gpu-blocks-override", str(blocks),
             "--kv-block-size", str(BLOCK), "--max-batch-size", str(max_batch),
-            "--max-num-tokens", "8192", "--http-port", str(args.http_port),
+            "--max-num-tokens", str(args.max_num_tokens), "--http-port", str(args.http_port),
             "--grpc-port", str(args.http_port + 1), "--router-port", str(args.http_port + 100),
             "--decode-ports", str(args.http_port + 200), "--restart-policy", "no",
             "--grace-period-s", "5", "--log-level", "warning", *extra]
@@ -322,15 +324,32 @@ async def one_request(session, url: str, text: str, osl: int) -> dict:
             "gaps": [1000 * (b - a) for a, b in zip(chunks, chunks[1:])]}
 
 
-async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
-                overhead: int) -> dict:
+def client_session():
     import aiohttp
 
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
+async def open_connections(session, url: str, conc: int) -> None:
+    """`conc` connections kept open in `session`'s pool: that many GETs at once (none is free
+    while the others run, so each opens its own), as a client that already served holds."""
+    async def one() -> None:
+        async with session.get(f"{url}/v1/models") as resp:
+            await resp.read()
+
+    await asyncio.gather(*(one() for _ in range(conc)))
+
+
+async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
+                overhead: int, session=None) -> dict:
+    """n requests over `conc` streams; through `session` (its open connections) when given,
+    else a session of its own that connects as the requests go out."""
     texts = prompt_texts(n, isl, seed, overhead)
     sem = asyncio.Semaphore(conc)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        if session is None:
+            session = await stack.enter_async_context(client_session())
 
         async def limited(text: str) -> dict:
             async with sem:
@@ -357,43 +376,70 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
 
 
 async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
-                 profiles: Profiles | None = None) -> dict:
+                 profiles: Profiles | None = None, connections: tuple[str, ...] = ("fresh",),
+                 repeat: int = 1) -> dict:
+    """Each point of the grid, `repeat` times in a row, once per connection mode in turn:
+    "fresh" (the load generator connects as its requests go out, inside their TTFT) or "kept"
+    (one session's connections, opened before the point). A point's figures are its first
+    run's, with every run under "runs"."""
     out: dict = {}
     # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
     warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
     overhead = max(0, round(warm["prompt_tokens_mean"]) - 64)
     out["chat_template_tokens"] = overhead
-    for k, ((isl, osl), points) in enumerate(grid.items()):
-        for conc, n in points:
-            key = f"{isl}/{osl}/{conc}"
-            if time.monotonic() > deadline:
-                print(f"served {key}: skipped (time budget)", flush=True)
-                out[key] = {"skipped": True}
-                continue
-            # As the engine alone: first `conc` requests of 4 tokens at this shape.
-            if warmup:
-                await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
-            if profiles is not None:
-                profiles.start(key)
-            try:  # a stalled stack must not eat the call: the point ends with the budget
-                fig = await asyncio.wait_for(
-                    drive(url, isl, osl, conc, n, seed=1000 * k + conc, overhead=overhead),
-                    timeout=max(30.0, deadline - time.monotonic() + 60))
-            except asyncio.TimeoutError:
-                print(f"served {key}: timed out", flush=True)
-                out[key] = {"skipped": True, "timed_out": True}
-                continue
-            finally:
-                if profiles is not None:
-                    profiles.stop()
-            out[key] = fig
-            print(f"served {key} x{n}: {fig['tps']:,.0f} tok/s, TTFT p50/p99 "
-                  f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms (first event p50 "
-                  f"{fig['first_event_p50']:.1f} ms; text a step late in {fig['late_text']}), "
-                  f"ITL p50/p99 {fig['itl_p50']:.2f}/{fig['itl_p99']:.2f} ms, prompt "
-                  f"{fig['prompt_tokens_mean']:.0f} tok, errors {fig['errors']} "
-                  f"{fig['first_error']} ({fig['wall_s']:.1f} s)", flush=True)
+    async with client_session() as kept:
+        for k, ((isl, osl), points) in enumerate(grid.items()):
+            for conc, n in points:
+                key = f"{isl}/{osl}/{conc}"
+                if time.monotonic() > deadline:
+                    print(f"served {key}: skipped (time budget)", flush=True)
+                    out[key] = {"skipped": True}
+                    continue
+                # As the engine alone: first `conc` requests of 4 tokens at this shape.
+                if warmup:
+                    await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
+                runs = []
+                for run in range(repeat):
+                    for mode in connections:
+                        if mode == "kept":
+                            await open_connections(kept, url, conc)
+                        fig = await serve_point(url, key, (isl, osl, conc, n),
+                                                1000 * k + conc + 7919 * len(runs), overhead,
+                                                deadline, profiles if not runs else None,
+                                                kept if mode == "kept" else None)
+                        if fig is None:
+                            break
+                        runs.append({**fig, "connections": mode, "run": run + 1})
+                out[key] = {**runs[0], "runs": runs} if runs else {"skipped": True,
+                                                                    "timed_out": True}
     return out
+
+
+async def serve_point(url: str, key: str, point: tuple[int, int, int, int], seed: int,
+                      overhead: int, deadline: float, profiles: Profiles | None,
+                      session) -> dict | None:
+    """One run of one point; None when it outlived the time budget."""
+    isl, osl, conc, n = point
+    if profiles is not None:
+        profiles.start(key)
+    try:  # a stalled stack must not eat the call: the point ends with the budget
+        fig = await asyncio.wait_for(
+            drive(url, isl, osl, conc, n, seed=seed, overhead=overhead, session=session),
+            timeout=max(30.0, deadline - time.monotonic() + 60))
+    except asyncio.TimeoutError:
+        print(f"served {key}: timed out", flush=True)
+        return None
+    finally:
+        if profiles is not None:
+            profiles.stop()
+    print(f"served {key} x{n} ({'kept' if session is not None else 'fresh'} connections): "
+          f"{fig['tps']:,.0f} tok/s, TTFT p50/p99 "
+          f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms (first event p50 "
+          f"{fig['first_event_p50']:.1f} ms; text a step late in {fig['late_text']}), "
+          f"ITL p50/p99 {fig['itl_p50']:.2f}/{fig['itl_p99']:.2f} ms, prompt "
+          f"{fig['prompt_tokens_mean']:.0f} tok, errors {fig['errors']} "
+          f"{fig['first_error']} ({fig['wall_s']:.1f} s)", flush=True)
+    return fig
 
 
 def alternate(url: str, model: pathlib.Path, args: argparse.Namespace, grid: dict
@@ -420,19 +466,32 @@ def alternate(url: str, model: pathlib.Path, args: argparse.Namespace, grid: dic
 
 def print_ttft_split(log: pathlib.Path, grid: dict, stack: dict) -> None:
     """--trace: each traced request's TTFT split by hop (benchmarks/ttft_split.py); when the
-    stack served one point only, that point's requests with the client's TTFTs."""
+    stack served one point only, that point's requests with the client's TTFTs, and how each
+    run's first wave reached the worker."""
     from benchmarks import ttft_split
 
     found = ttft_split.spans(log.read_text(errors="replace"))
     rows = ttft_split.split(found)
     keys = [f"{i}/{o}/{c}" for (i, o), points in grid.items() for c, _ in points]
-    client = stack[keys[0]].get("ttft_ms") if len(keys) == 1 else None
-    if client and len(rows) >= len(client):  # the point's requests came last (probes first)
-        rows = rows[-len(client):]
-    wave = next(c for (_, _), points in grid.items() for c, _ in points) if client else 0
-    arrivals = f"first wave:\n{ttft_split.arrival_table(rows, wave)}\n" if wave > 1 else ""
-    print(f"TTFT split ({len(rows)} traced requests):\n{ttft_split.table(rows, client)}\n"
-          f"{arrivals}engine steps:\n{ttft_split.step_table(found)}", flush=True)
+    runs = stack[keys[0]].get("runs", []) if len(keys) == 1 else []
+    total = sum(len(r["ttft_ms"]) for r in runs)
+    waves = []
+    if runs and len(rows) >= total:  # the point's requests came last (probes first)
+        rows, wave, at = rows[-total:], next(c for _, points in grid.items() for c, _ in points), 0
+        for run in runs:
+            part = rows[at:at + len(run["ttft_ms"])]
+            at += len(part)
+            if wave > 1:
+                waves.append(f"run {run['run']}, {run['connections']} connections (TTFT p50 "
+                             f"{run['ttft_p50']:.1f} ms), first wave:\n"
+                             f"{ttft_split.arrival_table(part, wave)}\n")
+        rows = part
+        client = runs[-1]["ttft_ms"]
+    else:
+        client = None
+    print(f"TTFT split ({len(rows)} traced requests{', the last run' if client else ''}):\n"
+          f"{ttft_split.table(rows, client)}\n{''.join(waves)}engine steps:\n"
+          f"{ttft_split.step_table(found)}", flush=True)
 
 
 def table(grid: dict, engine: dict, stack: dict) -> str:
@@ -467,6 +526,24 @@ def table(grid: dict, engine: dict, stack: dict) -> str:
     return "\n".join(rows)
 
 
+def run_lines(engine: dict, stack: dict) -> str:
+    """Where a point ran more than once: each run's TTFT p50 and ITL p50 against the engine's
+    closed loop."""
+    lines = []
+    for key, fig in stack.items():
+        runs = fig.get("runs", []) if isinstance(fig, dict) else []
+        closed = engine.get(key, {}).get("closed")
+        if len(runs) < 2 or not closed:
+            continue
+        for run in runs:
+            lines.append(f"{key} run {run['run']} {run['connections']:>5}: TTFT p50 "
+                         f"{run['ttft_p50']:.1f} ms = {run['ttft_p50'] / closed['ttft_p50']:.2f}x"
+                         f", p99 {run['ttft_p99']:.1f}; ITL p50 {run['itl_p50']:.2f} ms = "
+                         f"{run['itl_p50'] / closed['request_itl_p50']:.2f}x; "
+                         f"{run['tps']:,.0f} tok/s = {run['tps'] / closed['tps']:.0%}")
+    return "\n\n" + "\n".join(lines) if lines else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -497,6 +574,17 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="the stack prints its spans (OpenTelemetry's console exporter; "
                         "carry opentelemetry-sdk) and each request's TTFT is split by hop")
+    parser.add_argument("--connections", nargs="+", choices=("fresh", "kept"),
+                        default=["fresh"],
+                        help="the load generator's connections, one run of each point per mode "
+                        "in turn: fresh (opened as the requests go out, inside their TTFT) or "
+                        "kept (opened before the point, as a client that served holds them)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="serve each point this many times in a row per connection mode "
+                        "(the table shows the first run; every run is printed)")
+    parser.add_argument("--max-num-tokens", type=int, default=EngineArgs.max_num_tokens,
+                        help="the engine's token budget per step, alone and in the stack "
+                        "(default: the engine's)")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument("--phase-offline", help=argparse.SUPPRESS)
@@ -511,7 +599,7 @@ def main() -> None:
         grid = {k: [p for p in v if p[0] in args.concurrency] for k, v in grid.items()}
     if args.phase_offline:
         figures = asyncio.run(offline(pathlib.Path(args.model), args.device, args.dtype, grid,
-                                      not args.no_warmup))
+                                      not args.no_warmup, args.max_num_tokens))
         pathlib.Path(args.phase_offline).write_text(json.dumps(figures))
         return
     shape = SMALL if args.smoke else LLAMA_8B
@@ -541,7 +629,7 @@ def main() -> None:
         try:
             profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
             stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
-                                       profiles))
+                                       profiles, tuple(args.connections), args.repeat))
             if args.rounds:
                 result.setdefault("rounds", {})[name] = alternate(url, model, args, grid)
         finally:
@@ -550,7 +638,7 @@ def main() -> None:
         if args.trace:
             print_ttft_split(log, grid, stack)
         result["seconds"][f"stack_start {name}"] = time.monotonic() - start
-        tables.append((name, extra, table(grid, engine, stack)))
+        tables.append((name, extra, table(grid, engine, stack) + run_lines(engine, stack)))
     if args.engine_after and any(c == 1 for points in grid.values() for c, _ in points):
         result["engine_after"] = after = offline_in_subprocess(model, args, [1])
         for key, fig in after.items():
@@ -562,7 +650,8 @@ def main() -> None:
     (out_dir / "serve_gpu.json").write_text(json.dumps(result, indent=1))
     for name, extra, text in tables:
         print(f"\n{device_name}, {'small' if args.smoke else 'Llama-3.1-8B'} shape (vocab "
-              f"{DEMO_VOCAB}), dummy {args.dtype} weights, one decode worker; stack "
+              f"{DEMO_VOCAB}), dummy {args.dtype} weights, {args.max_num_tokens} tokens per step, one "
+              f"decode worker; stack "
               f"{name!r} (tandem up {extra or 'defaults'}); efficiency = served output tok/s "
               f"/ the engine's\n")
         print(text)
