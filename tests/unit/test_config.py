@@ -26,7 +26,7 @@ def test_defaults_then_yaml_then_flags(tmp_path: pathlib.Path) -> None:
     assert config.port == 9999                        # YAML over default
     assert config.engine_args.kv_block_size == 16     # nested YAML
     assert config.engine_args.max_batch_size == 4     # flag over YAML
-    assert config.engine_args.max_num_tokens == 8192  # default kept
+    assert config.engine_args.max_num_tokens == 4096  # default kept
     assert config.host == "127.0.0.1"
 
 
@@ -62,8 +62,10 @@ def _router_yaml(argv: list[str]) -> dict:
 
 
 def test_shipped_deployment_file_loads_and_wires_the_topology(tmp_path: pathlib.Path) -> None:
+    # One frontend process named (0 would be one per 4 cores: several on a larger machine).
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/local.yaml"),
-                                     "--decode-ports", "9300", "9301"], prog="t")
+                                     "--decode-ports", "9300", "9301",
+                                     "--frontend-processes", "1"], prog="t")
     procs = processes(d, tmp_path)
     assert [p.name for p in procs] == ["decode-0", "decode-1", "router", "frontend"]
     routed = _router_yaml(procs[2].argv)
