@@ -10,7 +10,8 @@ One process, meant for one device call:
    (prefill included), TTFT and decode ITL (= step time) percentiles.
 3. `python -m tandem.cli up --engine reference ...` (frontend, router, one decode worker as
    processes), waits for READY.
-4. Streamed `/v1/chat/completions` from an aiohttp load generator, at concurrency C in
+4. Streamed `/v1/chat/completions` from an aiohttp load generator (benchmarks/serve_load.py:
+   this process, or --client-processes N), at concurrency C in
    {1, 16, 64, 128} for ISL/OSL 200/200 and 1000/1000: distinct random-token prompts of ISL
    tokens (usage.prompt_tokens is recorded), `ignore_eos`, `max_tokens` = OSL.
 5. Prints a markdown table (served vs the engine at B = C: efficiency = served output tokens/s
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import pathlib
@@ -37,7 +37,6 @@ import random
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # noqa: E402
+from benchmarks.serve_load import DEMO_VOCAB, client_session, drive, open_connections, pct  # noqa: E402
 from tandem.engines.args import EngineArgs  # noqa: E402
 
 #: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (12 and 6 at one stream).
@@ -53,18 +53,6 @@ GRID = {(200, 200): [(1, 12), (16, 32), (64, 128), (128, 256)],
         (1000, 200): [(64, 128)],
         (1000, 1000): [(1, 6), (16, 32), (64, 128), (128, 256)]}
 SMOKE_GRID = {(24, 12): [(1, 3), (2, 4)]}
-DEMO_VOCAB = 4096
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between neighbours; nan when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def write_model(root: pathlib.Path, shape: dict) -> pathlib.Path:
@@ -260,128 +248,13 @@ class Profiles:
         self.running = []
 
 
-def prompt_texts(n: int, isl: int, seed: int, overhead: int) -> list[str]:
-    """n distinct texts of `isl` - `overhead` (the chat template's tokens) demo-tokenizer
-    tokens: random ids, decoded, re-encoded and cut until the text re-encodes to that length."""
-    from tokenizers import Tokenizer
-
-    from tandem.model.demo import committed_file
-
-    tok = Tokenizer.from_str(committed_file("tokenizer.json").read_text())
-    rng = random.Random(seed)
-    target = max(1, isl - overhead)
-    texts = []
-    for _ in range(n):
-        ids = [rng.randrange(8, DEMO_VOCAB) for _ in range(target + 16)]
-        text = tok.decode(ids, skip_special_tokens=True)
-        for _ in range(8):
-            ids = tok.encode(text, add_special_tokens=False).ids
-            if len(ids) <= target:
-                break
-            text = tok.decode(ids[:target - (len(ids) > target + 4)], skip_special_tokens=True)
-        texts.append(text)
-    return texts
-
-
-async def one_request(session, url: str, text: str, osl: int) -> dict:
-    body = {"model": "bench", "messages": [{"role": "user", "content": text}],
-            "max_tokens": osl, "ignore_eos": True, "stream": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = first_event = None
-    chunks: list[float] = []
-    usage = {}
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            return {"error": f"{resp.status}: {(await resp.text())[:200]}"}
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            now = time.perf_counter()
-            event = json.loads(data)
-            if event.get("usage"):
-                usage = event["usage"]
-            if first_event is None and event.get("choices"):
-                first_event = now  # the role delta: written with the first token, text or not
-            for choice in event.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
-                    first = first if first is not None else now
-                    last = now
-                    chunks.append(now)
-    done = time.perf_counter()
-    out_tokens = usage.get("completion_tokens", 0)
-    if first is None or out_tokens == 0:
-        return {"error": f"no tokens (usage {usage})"}
-    assert first_event is not None
-    return {"ttft": 1000 * (first - start), "e2e": done - start, "tokens": out_tokens,
-            "first_event": 1000 * (first_event - start),
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "itl": 1000 * (last - first) / max(1, out_tokens - 1),
-            "gaps": [1000 * (b - a) for a, b in zip(chunks, chunks[1:])]}
-
-
-def client_session():
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
-
-
-async def open_connections(session, url: str, conc: int) -> None:
-    """`conc` connections kept open in `session`'s pool: that many GETs at once (none is free
-    while the others run, so each opens its own), as a client that already served holds."""
-    async def one() -> None:
-        async with session.get(f"{url}/v1/models") as resp:
-            await resp.read()
-
-    await asyncio.gather(*(one() for _ in range(conc)))
-
-
-async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
-                overhead: int, session=None) -> dict:
-    """n requests over `conc` streams; through `session` (its open connections) when given,
-    else a session of its own that connects as the requests go out."""
-    texts = prompt_texts(n, isl, seed, overhead)
-    sem = asyncio.Semaphore(conc)
-    async with contextlib.AsyncExitStack() as stack:
-        if session is None:
-            session = await stack.enter_async_context(client_session())
-
-        async def limited(text: str) -> dict:
-            async with sem:
-                return await one_request(session, url, text, osl)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(t) for t in texts))
-        wall = time.perf_counter() - start
-    good = [r for r in results if "error" not in r]
-    errors = [r["error"] for r in results if "error" in r]
-    ttft = [r["ttft"] for r in good]
-    first_event = [r["first_event"] for r in good]
-    itl = [r["itl"] for r in good]
-    gaps = [g for r in good for g in r["gaps"]]
-    return {"requests": n, "ok": len(good), "errors": len(errors), "first_error": errors[:1],
-            "wall_s": wall, "tps": sum(r["tokens"] for r in good) / wall,
-            "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in good)
-            if good else 0,
-            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "first_event_p50": pct(first_event, 50), "ttft_ms": [round(t, 2) for t in ttft],
-            "late_text": sum(r["ttft"] > r["first_event"] + 1.0 for r in good),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
-
-
 async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
                  profiles: Profiles | None = None, connections: tuple[str, ...] = ("fresh",),
-                 repeat: int = 1) -> dict:
+                 repeat: int = 1, processes: int = 1) -> dict:
     """Each point of the grid, `repeat` times in a row, once per connection mode in turn:
     "fresh" (the load generator connects as its requests go out, inside their TTFT) or "kept"
-    (one session's connections, opened before the point). A point's figures are its first
-    run's, with every run under "runs"."""
+    (one session's connections, opened before the point), from `processes` client processes.
+    A point's figures are its first run's, with every run under "runs"."""
     out: dict = {}
     # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
     warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
@@ -401,12 +274,13 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
                 runs = []
                 for run in range(repeat):
                     for mode in connections:
-                        if mode == "kept":
+                        client: dict = {"processes": processes, "kept": mode == "kept"}
+                        if mode == "kept" and processes == 1:
                             await open_connections(kept, url, conc)
+                            client["session"] = kept
                         fig = await serve_point(url, key, (isl, osl, conc, n),
                                                 1000 * k + conc + 7919 * len(runs), overhead,
-                                                deadline, profiles if not runs else None,
-                                                kept if mode == "kept" else None)
+                                                deadline, profiles if not runs else None, client)
                         if fig is None:
                             break
                         runs.append({**fig, "connections": mode, "run": run + 1})
@@ -417,14 +291,15 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
 
 async def serve_point(url: str, key: str, point: tuple[int, int, int, int], seed: int,
                       overhead: int, deadline: float, profiles: Profiles | None,
-                      session) -> dict | None:
-    """One run of one point; None when it outlived the time budget."""
+                      client: dict) -> dict | None:
+    """One run of one point (`client`: drive's session, processes, kept); None when it
+    outlived the time budget."""
     isl, osl, conc, n = point
     if profiles is not None:
         profiles.start(key)
     try:  # a stalled stack must not eat the call: the point ends with the budget
         fig = await asyncio.wait_for(
-            drive(url, isl, osl, conc, n, seed=seed, overhead=overhead, session=session),
+            drive(url, isl, osl, conc, n, seed=seed, overhead=overhead, **client),
             timeout=max(30.0, deadline - time.monotonic() + 60))
     except asyncio.TimeoutError:
         print(f"served {key}: timed out", flush=True)
@@ -432,7 +307,8 @@ async def serve_point(url: str, key: str, point: tuple[int, int, int, int], seed
     finally:
         if profiles is not None:
             profiles.stop()
-    print(f"served {key} x{n} ({'kept' if session is not None else 'fresh'} connections): "
+    print(f"served {key} x{n} ({'kept' if client['kept'] else 'fresh'} connections, "
+          f"{client['processes']} client process(es)): "
           f"{fig['tps']:,.0f} tok/s, TTFT p50/p99 "
           f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms (first event p50 "
           f"{fig['first_event_p50']:.1f} ms; text a step late in {fig['late_text']}), "
@@ -582,6 +458,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="serve each point this many times in a row per connection mode "
                         "(the table shows the first run; every run is printed)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="the load generator's processes, the streams split between them "
+                        "(one Python process spreads a burst over tens of ms by itself)")
     parser.add_argument("--max-num-tokens", type=int, default=EngineArgs.max_num_tokens,
                         help="the engine's token budget per step, alone and in the stack "
                         "(default: the engine's)")
@@ -629,7 +508,8 @@ def main() -> None:
         try:
             profiles = Profiles(out_dir, proc.pid) if args.py_spy else None
             stack = asyncio.run(served(url, grid, began + args.budget_s, not args.no_warmup,
-                                       profiles, tuple(args.connections), args.repeat))
+                                       profiles, tuple(args.connections), args.repeat,
+                                       args.client_processes))
             if args.rounds:
                 result.setdefault("rounds", {})[name] = alternate(url, model, args, grid)
         finally:
