@@ -52,6 +52,7 @@ import time
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serve_load import pct  # benchmarks/ is this script's sys.path[0]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TANDEM = ROOT / ".venv" / "bin" / "tandem"
@@ -298,17 +299,6 @@ async def run_load(url: str, model: str, requests: list[Request], concurrency: i
 
 
 # ---- report --------------------------------------------------------------------------------
-
-def pct(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in 0..100."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    i = int(k)
-    j = min(i + 1, len(xs) - 1)
-    return xs[i] + (xs[j] - xs[i]) * (k - i)
-
 
 def summarize(policy: str, results: list[Result], wall: float, warmup: int,
               cpu: dict[str, float]) -> dict:

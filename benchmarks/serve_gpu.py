@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -45,7 +46,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, generate, sync  # noqa: E402
-from benchmarks.serve_load import DEMO_VOCAB, client_session, drive, open_connections, pct  # noqa: E402
+from benchmarks.serve_load import DEMO_VOCAB, drive, pct  # noqa: E402
 from tandem.engines.args import EngineArgs  # noqa: E402
 
 #: (ISL, OSL) -> [(concurrency, requests)]: two waves of requests (12 and 6 at one stream).
@@ -253,53 +254,48 @@ async def served(url: str, grid: dict, deadline: float, warmup: bool = True,
                  repeat: int = 1, processes: int = 1) -> dict:
     """Each point of the grid, `repeat` times in a row, once per connection mode in turn:
     "fresh" (the load generator connects as its requests go out, inside their TTFT) or "kept"
-    (one session's connections, opened before the point), from `processes` client processes.
+    (its connections opened before the run), from `processes` client processes.
     A point's figures are its first run's, with every run under "runs"."""
     out: dict = {}
     # Warm-up; the chat template's tokens: usage.prompt_tokens of a 64-token text, less 64.
     warm = await drive(url, 64, 8, 2, 2, seed=99, overhead=0)
     overhead = max(0, round(warm["prompt_tokens_mean"]) - 64)
     out["chat_template_tokens"] = overhead
-    async with client_session() as kept:
-        for k, ((isl, osl), points) in enumerate(grid.items()):
-            for conc, n in points:
-                key = f"{isl}/{osl}/{conc}"
-                if time.monotonic() > deadline:
-                    print(f"served {key}: skipped (time budget)", flush=True)
-                    out[key] = {"skipped": True}
-                    continue
-                # As the engine alone: first `conc` requests of 4 tokens at this shape.
-                if warmup:
-                    await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
-                runs = []
-                for run in range(repeat):
-                    for mode in connections:
-                        client: dict = {"processes": processes, "kept": mode == "kept"}
-                        if mode == "kept" and processes == 1:
-                            await open_connections(kept, url, conc)
-                            client["session"] = kept
-                        fig = await serve_point(url, key, (isl, osl, conc, n),
-                                                1000 * k + conc + 7919 * len(runs), overhead,
-                                                deadline, profiles if not runs else None, client)
-                        if fig is None:
-                            break
-                        runs.append({**fig, "connections": mode, "run": run + 1})
-                out[key] = {**runs[0], "runs": runs} if runs else {"skipped": True,
-                                                                    "timed_out": True}
+    for k, ((isl, osl), points) in enumerate(grid.items()):
+        for conc, n in points:
+            key = f"{isl}/{osl}/{conc}"
+            if time.monotonic() > deadline:
+                print(f"served {key}: skipped (time budget)", flush=True)
+                out[key] = {"skipped": True}
+                continue
+            # As the engine alone: first `conc` requests of 4 tokens at this shape.
+            if warmup:
+                await drive(url, isl, 4, conc, conc, seed=7 + conc, overhead=overhead)
+            runs: list[dict] = []
+            for run, mode in itertools.product(range(1, repeat + 1), connections):
+                fig = await serve_point(url, key, (isl, osl, conc, n),
+                                        1000 * k + conc + 7919 * len(runs), overhead, deadline,
+                                        profiles if not runs else None, mode == "kept",
+                                        processes)
+                if fig is None:  # timed out: the point's other runs would too
+                    break
+                runs.append({**fig, "connections": mode, "run": run})
+            out[key] = {**runs[0], "runs": runs} if runs else {"skipped": True,
+                                                                "timed_out": True}
     return out
 
 
 async def serve_point(url: str, key: str, point: tuple[int, int, int, int], seed: int,
-                      overhead: int, deadline: float, profiles: Profiles | None,
-                      client: dict) -> dict | None:
-    """One run of one point (`client`: drive's session, processes, kept); None when it
-    outlived the time budget."""
+                      overhead: int, deadline: float, profiles: Profiles | None, kept: bool,
+                      processes: int) -> dict | None:
+    """One run of one point (drive's `kept` and `processes`); None when it outlived the time
+    budget."""
     isl, osl, conc, n = point
     if profiles is not None:
         profiles.start(key)
     try:  # a stalled stack must not eat the call: the point ends with the budget
         fig = await asyncio.wait_for(
-            drive(url, isl, osl, conc, n, seed=seed, overhead=overhead, **client),
+            drive(url, isl, osl, conc, n, seed, overhead, kept, processes),
             timeout=max(30.0, deadline - time.monotonic() + 60))
     except asyncio.TimeoutError:
         print(f"served {key}: timed out", flush=True)
@@ -307,8 +303,8 @@ async def serve_point(url: str, key: str, point: tuple[int, int, int, int], seed
     finally:
         if profiles is not None:
             profiles.stop()
-    print(f"served {key} x{n} ({'kept' if client['kept'] else 'fresh'} connections, "
-          f"{client['processes']} client process(es)): "
+    print(f"served {key} x{n} ({'kept' if kept else 'fresh'} connections, {processes} client "
+          f"process(es)): "
           f"{fig['tps']:,.0f} tok/s, TTFT p50/p99 "
           f"{fig['ttft_p50']:.1f}/{fig['ttft_p99']:.1f} ms (first event p50 "
           f"{fig['first_event_p50']:.1f} ms; text a step late in {fig['late_text']}), "

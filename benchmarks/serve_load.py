@@ -11,7 +11,6 @@ system-wide monotonic clock, so their figures merge as one run's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import multiprocessing
 import queue
@@ -116,15 +115,16 @@ async def open_connections(session, url: str, conc: int) -> None:
     await asyncio.gather(*(one() for _ in range(conc)))
 
 
-async def _issue(url: str, osl: int, conc: int, texts: list[str], session=None,
+async def _issue(url: str, osl: int, conc: int, texts: list[str], kept: bool = False,
                  ready=None) -> tuple[list[dict], float, float]:
-    """`texts` over `conc` streams; through `session` (its open connections) when given, else a
-    session of its own that connects as the requests go out. `ready()`, when given, runs just
-    before the first request (a barrier). Returns the results, the start and the end."""
+    """`texts` over `conc` streams from a session of its own: with `kept`, its connections
+    opened first (as a client that already served holds them), else opened as the requests go
+    out. `ready()`, when given, runs just before the first request (a barrier). Returns the
+    results, the start and the end."""
     sem = asyncio.Semaphore(conc)
-    async with contextlib.AsyncExitStack() as stack:
-        if session is None:
-            session = await stack.enter_async_context(client_session())
+    async with client_session() as session:
+        if kept:
+            await open_connections(session, url, conc)
 
         async def limited(text: str) -> dict:
             async with sem:
@@ -144,15 +144,8 @@ def _client_process(url: str, osl: int, conc: int, texts: list[str], kept: bool,
     def ready() -> None:
         barrier.wait(120)  # a sibling that failed first breaks it: this one fails too
 
-    async def main() -> tuple[list[dict], float, float]:
-        if not kept:
-            return await _issue(url, osl, conc, texts, ready=ready)
-        async with client_session() as session:
-            await open_connections(session, url, conc)
-            return await _issue(url, osl, conc, texts, session, ready=ready)
-
     try:
-        out.put(asyncio.run(main()))
+        out.put(asyncio.run(_issue(url, osl, conc, texts, kept, ready)))
     except BaseException as exc:  # the parent must not wait forever for this share
         out.put(exc)
         raise
@@ -194,16 +187,16 @@ def _next_share(out, procs: list) -> Any:
 
 
 async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
-                overhead: int, session=None, processes: int = 1, kept: bool = False) -> dict:
-    """n requests of `isl` tokens over `conc` streams, `osl` tokens each: from this process
-    (through `session`'s open connections when given), or from `processes` spawned ones (each
-    opening its own connections first when `kept`). Returns the run's figures."""
+                overhead: int, kept: bool = False, processes: int = 1) -> dict:
+    """n requests of `isl` tokens over `conc` streams, `osl` tokens each, from this process or
+    from `processes` spawned ones, each opening its connections first when `kept`. Returns the
+    run's figures."""
     texts = prompt_texts(n, isl, seed, overhead)
     if processes > 1:
         results, start, end = await asyncio.to_thread(_in_processes, url, osl, conc, texts,
                                                       kept, processes)
     else:
-        results, start, end = await _issue(url, osl, conc, texts, session)
+        results, start, end = await _issue(url, osl, conc, texts, kept)
     return summarize(results, end - start)
 
 
