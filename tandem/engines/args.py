@@ -61,6 +61,11 @@ class EngineArgs:
     #: Reference engine on CUDA: fraction (0-1) of the GPU memory free after loading the
     #: weights that the KV pool takes.
     free_gpu_memory_fraction: float = 0.9
+    #: Reference engine on CUDA: the share (0-1] of its GPU's total memory this worker may hold
+    #: (weights, KV pool, transfer buffer, activations), for workers that share a GPU: the KV
+    #: pool then takes free_gpu_memory_fraction of what is left of that share after the
+    #: weights, whatever the other worker holds at that moment. 0: the whole GPU.
+    gpu_memory_fraction: float = 0.0
     #: Reference engine on CPU: bytes the KV pool takes.
     kv_cache_cpu_bytes: int = 512 * 1024 * 1024
     #: Reuse cached KV blocks across requests with the same prefix.
@@ -82,6 +87,13 @@ class EngineArgs:
     #: Decode side: what to do when reading a prefill worker's KV fails or its lease expired:
     #: recompute (prefill locally) or fail (end the request with an error).
     kv_load_failure_policy: str = "recompute"
+    #: Tokens of KV the transfer buffer holds (TensorRT-LLM's cache_transceiver_config
+    #: max_tokens_in_buffer), on each side of a disaggregated pair: the prefill worker gathers a
+    #: leased prompt's blocks into it, the decode worker reads them into its own with ONE NIXL
+    #: descriptor and scatters them into its pool (scattered blocks otherwise cost a descriptor
+    #: per block and layer, ~10 us each on NVLink). A prompt that does not fit goes block by
+    #: block. 0: no buffer. Only workers that move KV allocate it.
+    kv_transfer_buffer_tokens: int = 32768
     # == testing ==
     #: Record a checksum of every leased and every received KV transfer (Worker.Stats RPC);
     #: costs a pass over the bytes.

@@ -21,13 +21,16 @@ class Lease:
     #: Unix epoch milliseconds after which the blocks may be reused.
     expiry_unix_ms: int
     timer: asyncio.TimerHandle
+    #: Frees what the lease holds beside its blocks (a transfer buffer slot), if anything.
+    on_end: Callable[[], None] | None = None
 
 
 class LeaseTable:
     """Leased block tables by request id.
 
-    Contract: every table handed to `add` is given back to `free_blocks` exactly once: by
-    `release`, by its expiry timer, or by `close`.
+    Contract: every table handed to `add` is given back to `free_blocks` exactly once (and its
+    `on_end` called once, after): by `release`, by its expiry timer, or by `close`. A lease
+    whose blocks were copied out for the transfer holds an empty table and its copy.
     """
 
     def __init__(self, free_blocks: Callable[[BlockTable], None]) -> None:
@@ -48,14 +51,16 @@ class LeaseTable:
     def num_blocks(self) -> int:
         return sum(len(lease.table) for lease in self._leases.values())
 
-    def add(self, request_id: str, table: BlockTable, lease_ms: int) -> int:
-        """Takes ownership of `table` for `lease_ms`; returns the expiry (Unix ms)."""
+    def add(self, request_id: str, table: BlockTable, lease_ms: int,
+            on_end: Callable[[], None] | None = None) -> int:
+        """Takes ownership of `table` (and of what `on_end` frees) for `lease_ms`; returns the
+        expiry (Unix ms)."""
         if request_id in self._leases:
             raise ValueError(f"request '{request_id}' already holds a lease")
         loop = asyncio.get_running_loop()
         expiry = int(time.time() * 1000) + lease_ms
         timer = loop.call_later(lease_ms / 1000, self._expire, request_id)
-        self._leases[request_id] = Lease(table, expiry, timer)
+        self._leases[request_id] = Lease(table, expiry, timer, on_end)
         return expiry
 
     def release(self, request_id: str) -> bool:
@@ -75,7 +80,7 @@ class LeaseTable:
             self._give_back(lease)
 
     def _give_back(self, lease: Lease) -> None:
-        self._free_blocks(lease.table)
+        self._free(lease)
         if self.on_freed is not None:
             self.on_freed()
 
@@ -84,4 +89,9 @@ class LeaseTable:
         for request_id in list(self._leases):
             lease = self._leases.pop(request_id)
             lease.timer.cancel()
-            self._free_blocks(lease.table)
+            self._free(lease)
+
+    def _free(self, lease: Lease) -> None:
+        self._free_blocks(lease.table)
+        if lease.on_end is not None:
+            lease.on_end()

@@ -9,6 +9,12 @@ consecutive ids on BOTH sides are adjacent descriptors over adjacent memory, and
 them (`coalesce`): NIXL 1.5.1 does not merge descriptors in `initialize_xfer`, and fewer, larger
 descriptors are what moves bytes fast.
 
+Beside the pool, a transfer buffer (tandem.kv.transfer_buffer, registered too) holds prompts
+copied contiguous in that same order: the source gathers a leased prompt into a slot and hands
+out ONE descriptor over it; the reader reads into a slot of its own (one descriptor on both
+sides after `coalesce`) and scatters it into its blocks. Either side without room in its buffer
+falls back to the pool's regions, and `coalesce` pairs whatever the two sides have.
+
 Failure semantics (NIXL 1.5.1 / its bundled UCX, verified by tests/unit/test_nixl_transfer.py and
 by hand on loopback):
   - Handles are checked before NIXL sees them: descriptor count, every remote length equal to the
@@ -58,6 +64,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from tandem.engines.types import KvHandle, MemoryDescriptor
 from tandem.kv.transfer import KvTransfer, TransferError, TransferSource
+from tandem.kv.transfer_buffer import Slot, TransferBuffer, slot_region_addresses
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +101,13 @@ class _Agent:
     """One NIXL agent over the pool, with the peers it loaded and its transfers in flight.
     Replaced as a whole when torn down (see the module docstring)."""
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, memory_type: str) -> None:
+    def __init__(self, name: str, tensors: Sequence[torch.Tensor], memory_type: str) -> None:
         self.name = name
         self.memory_type = memory_type
         # The progress thread answers peers' reads over TCP while this worker does nothing.
         self.nixl: nixl_agent | None = nixl_agent(
             name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
-        self._registration = self.nixl.register_memory(kv_cache)
+        self._registration = self.nixl.register_memory(list(tensors))
         self.metadata: bytes = self.nixl.get_agent_metadata()
         #: Remote agent name -> the metadata it was loaded from.
         self.peers: dict[str, bytes] = {}
@@ -218,12 +225,14 @@ class NixlTransfer(KvTransfer):
             restarted worker is a new peer.
         cancel_grace_s: how long a timed-out read waits for its transfer to end before tearing
             the agent down (the only way to stop a transfer, see the module docstring).
+        buffer_blocks: blocks of the transfer buffer (0: none; every transfer then goes region
+            by region). A buffer that cannot be allocated is logged and left out.
     """
 
     backend = "nixl"
 
     def __init__(self, kv_cache: torch.Tensor, name: str = "tandem", *,
-                 cancel_grace_s: float = 2.0) -> None:
+                 cancel_grace_s: float = 2.0, buffer_blocks: int = 0) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be one contiguous tensor "
                              "[layers, 2, blocks, block_size, kv_heads, head_dim], "
@@ -236,11 +245,16 @@ class NixlTransfer(KvTransfer):
         self.region_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
         self.memory_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = kv_cache.device.index or 0
+        self.buffer = _buffer(kv_cache, buffer_blocks)
+        #: Prompts read through the buffer / region by region (the pool's own descriptors).
+        self.num_buffered_reads = 0
+        self.num_region_reads = 0
         self._agent: _Agent | None = self._new_agent()
 
     def _new_agent(self) -> _Agent:
         name = f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}"
-        return _Agent(name, self.kv_cache, self.memory_type)
+        tensors = [self.kv_cache] + ([self.buffer.tensor] if self.buffer is not None else [])
+        return _Agent(name, tensors, self.memory_type)
 
     def _live_agent(self) -> _Agent:
         """The current agent; a new one (new name) after a teardown."""
@@ -267,32 +281,67 @@ class NixlTransfer(KvTransfer):
     def source(self, block_ids: Sequence[int]) -> TransferSource:
         self._check_local(block_ids)
         agent = self._live_agent()
+        slot = self.buffer.take(len(block_ids)) if self.buffer is not None else None
+        if slot is not None:
+            assert self.buffer is not None
+            try:
+                self.buffer.gather(slot, block_ids)
+            except BaseException:
+                self.buffer.give(slot)
+                raise
+            whole = MemoryDescriptor(self.buffer.address(slot), len(block_ids) * self.block_bytes,
+                                     self.device_id)
+            return TransferSource(agent.name, agent.metadata, (whole,), self.memory_type,
+                                  copied=True, slot=slot)
         descriptors = tuple(MemoryDescriptor(int(address), self.region_bytes, self.device_id)
                             for address in self._addresses(block_ids))
         return TransferSource(agent.name, agent.metadata, descriptors, self.memory_type)
 
+    def end_source(self, source: TransferSource) -> None:
+        if isinstance(source.slot, Slot) and self.buffer is not None:
+            self.buffer.give(source.slot)
+
     def _remote(self, handle: KvHandle, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        """The handle's descriptors as (addresses, devices), after the checks that keep a
+        """The handle's (layer, K|V, block) regions as (addresses, devices) in descriptor
+        order, from either form of handle (module docstring), after the checks that keep a
         forged handle from writing anything but whole local regions."""
         expected = num_blocks * 2 * self.num_layers
-        if len(handle.descriptors) != expected:
+        descriptors = handle.descriptors
+        if len(descriptors) == 1 and expected > 1:  # a transfer-buffer copy
+            whole = descriptors[0]
+            if whole.length != num_blocks * self.block_bytes:
+                raise TransferError(
+                    f"the handle's one descriptor is {whole.length} bytes long; {num_blocks} "
+                    f"blocks of {self.block_bytes} bytes need {num_blocks * self.block_bytes}")
+            self._check_handle_agent(handle)
+            try:
+                addresses = slot_region_addresses(whole.address, num_blocks, self.num_layers,
+                                                  self.region_bytes)
+            except (OverflowError, ValueError) as exc:
+                raise TransferError(f"invalid descriptor in the handle: {exc}") from exc
+            return addresses, np.full(len(addresses), whole.device_id, dtype=np.uint64)
+        if len(descriptors) != expected:
             raise TransferError(
-                f"the handle has {len(handle.descriptors)} descriptors; {num_blocks} blocks of "
-                f"{self.num_layers} layers need {expected}")
-        wrong = next((d for d in handle.descriptors if d.length != self.region_bytes), None)
+                f"the handle has {len(descriptors)} descriptors; {num_blocks} blocks of "
+                f"{self.num_layers} layers need {expected} (or one over a transfer buffer)")
+        wrong = next((d for d in descriptors if d.length != self.region_bytes), None)
         if wrong is not None:
             raise TransferError(f"a handle descriptor is {wrong.length} bytes long; this pool's "
                                 f"(layer, K|V, block) regions are {self.region_bytes}")
+        self._check_handle_agent(handle)
+        try:
+            addresses = np.array([d.address for d in descriptors], dtype=np.uint64)
+            devices = np.array([d.device_id for d in descriptors], dtype=np.uint64)
+        except (OverflowError, ValueError) as exc:
+            raise TransferError(f"invalid descriptor in the handle: {exc}") from exc
+        return addresses, devices
+
+    @staticmethod
+    def _check_handle_agent(handle: KvHandle) -> None:
         if handle.nixl_memory_type not in _MEMORY_TYPES:
             raise TransferError(f"unknown NIXL memory type '{handle.nixl_memory_type}'")
         if not handle.nixl_agent_name or not handle.nixl_agent_metadata:
             raise TransferError("the handle carries no NIXL agent name or metadata")
-        try:
-            addresses = np.array([d.address for d in handle.descriptors], dtype=np.uint64)
-            devices = np.array([d.device_id for d in handle.descriptors], dtype=np.uint64)
-        except (OverflowError, ValueError) as exc:
-            raise TransferError(f"invalid descriptor in the handle: {exc}") from exc
-        return addresses, devices
 
     async def read(self, handle: KvHandle, local_block_ids: Sequence[int],
                    timeout_s: float) -> int:
@@ -306,8 +355,33 @@ class NixlTransfer(KvTransfer):
         if len(set(local_block_ids)) != num_blocks:
             raise TransferError("the local block ids repeat")
         remote, remote_devices = self._remote(handle, num_blocks)
-        local_descs, remote_descs = coalesce(self._addresses(local_block_ids), remote,
-                                             remote_devices, self.region_bytes, self.device_id)
+        slot = self.buffer.take(num_blocks) if self.buffer is not None else None
+        try:
+            num_bytes = await self._read(handle, local_block_ids, remote, remote_devices, slot,
+                                         timeout_s)
+            if slot is not None:
+                assert self.buffer is not None
+                await self.buffer.scatter(slot, local_block_ids)
+        finally:
+            # After a TransferError or a cancellation nothing writes into the slot any more
+            # (the read ended or its agent was torn down), and a scatter ends before its await.
+            if slot is not None:
+                assert self.buffer is not None
+                self.buffer.give(slot)
+        if slot is not None:
+            self.num_buffered_reads += 1
+        else:
+            self.num_region_reads += 1
+        return num_bytes
+
+    async def _read(self, handle: KvHandle, local_block_ids: Sequence[int], remote: np.ndarray,
+                    remote_devices: np.ndarray, slot: Slot | None, timeout_s: float) -> int:
+        """One READ of the handle's regions into `slot` (when given) or the local blocks."""
+        num_blocks = len(local_block_ids)
+        local = (self._addresses(local_block_ids) if slot is None or self.buffer is None
+                 else self.buffer.region_addresses(slot))
+        local_descs, remote_descs = coalesce(local, remote, remote_devices, self.region_bytes,
+                                             self.device_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         agent = self._live_agent()
@@ -381,3 +455,16 @@ class NixlTransfer(KvTransfer):
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+
+
+def _buffer(kv_cache: torch.Tensor, num_blocks: int) -> TransferBuffer | None:
+    """The transfer buffer of `num_blocks` blocks, or None (none asked for, or no memory for
+    it: transfers then go region by region, slower but the same bytes)."""
+    if num_blocks < 1:
+        return None
+    try:
+        return TransferBuffer(kv_cache, num_blocks)
+    except torch.OutOfMemoryError:
+        log.warning("no memory for a KV transfer buffer of %d blocks; moving KV region by "
+                    "region", num_blocks)
+        return None

@@ -30,6 +30,11 @@ class TransferSource:
     agent_metadata: bytes = b""
     descriptors: tuple[MemoryDescriptor, ...] = ()
     memory_type: str = ""
+    #: The blocks' bytes were copied into a transfer buffer (tandem.kv.transfer_buffer): the
+    #: pool blocks may be freed at once, and `KvTransfer.end_source` frees the copy.
+    copied: bool = False
+    #: The transfer's own record of the copy (None: the descriptors point into the pool).
+    slot: object = None
 
 
 class KvTransfer(ABC):
@@ -44,6 +49,10 @@ class KvTransfer(ABC):
     @abstractmethod
     def source(self, block_ids: Sequence[int]) -> TransferSource:
         """Describes local blocks (in prompt order) for a peer to read."""
+
+    def end_source(self, source: TransferSource) -> None:  # noqa: B027 (nothing by default)
+        """The peer is done with `source` (read, released or expired): frees what `source`
+        holds beside the pool blocks. Called exactly once per source."""
 
     @abstractmethod
     async def read(self, handle: KvHandle, local_block_ids: Sequence[int],

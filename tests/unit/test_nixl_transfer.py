@@ -34,11 +34,16 @@ def prefill_pool(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
 
 
-def _prefill_main(conn: Connection, seed: int) -> None:
-    """The prefill process: answers block-id lists with (source, checksum) until None."""
-    transfer = NixlTransfer(prefill_pool(seed), "test-prefill")
+def _prefill_main(conn: Connection, seed: int, buffer_blocks: int) -> None:
+    """The prefill process: answers block-id lists with (source, checksum) until None. A new
+    source ends the one before (its transfer-buffer slot is reused: read only the latest)."""
+    transfer = NixlTransfer(prefill_pool(seed), "test-prefill", buffer_blocks=buffer_blocks)
+    last = None
     while (block_ids := conn.recv()) is not None:
-        conn.send((transfer.source(block_ids), transfer.checksum(block_ids)))
+        if last is not None:
+            transfer.end_source(last)
+        last = transfer.source(block_ids)
+        conn.send((last, transfer.checksum(block_ids)))
     transfer.close()
 
 
@@ -53,10 +58,13 @@ def _thread_states(pid: int) -> Iterator[str]:
 
 
 class Prefill:
-    def __init__(self, seed: int) -> None:
+    """The prefill process; with `buffer_blocks`, its sources are transfer-buffer copies."""
+
+    def __init__(self, seed: int, buffer_blocks: int = 0) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=_prefill_main, args=(child, seed), daemon=True)
+        self.process = context.Process(target=_prefill_main, args=(child, seed, buffer_blocks),
+                                       daemon=True)
         self.process.start()
         child.close()
         self.pool = prefill_pool(seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from abc import abstractmethod
@@ -285,16 +286,22 @@ class BatchingEngine(Engine):
         table, req.table = req.table, BlockTable()
         bs = self.pool.block_size
         hashes = tuple(req.block_hashes(req.num_prompt // bs, bs))
-        source = self.transfer.source(table.block_ids)
-        expiry = self.leases.add(req.request_id, table, req.lease_ms)
+        transfer = self.transfer
+        source = transfer.source(table.block_ids)
+        block_ids = tuple(table.block_ids)
+        self.loads.record_checksum("leased", req.request_id, block_ids)
+        if source.copied:  # the lease holds the copy; the blocks stay as prefix cache
+            self.pool.free(table)
+            self._wakeup.set()
+        expiry = self.leases.add(req.request_id, table, req.lease_ms,
+                                 functools.partial(transfer.end_source, source))
         self._handles_out[req.request_id] = KvHandle(
             worker_id="", worker_address="", request_id=req.request_id,
             backend=self.transfer.backend, layout=self._layout, num_tokens=req.num_prompt,
-            block_ids=tuple(table.block_ids), block_hashes=hashes,
+            block_ids=block_ids, block_hashes=hashes,
             nixl_agent_name=source.agent_name, nixl_agent_metadata=source.agent_metadata,
             descriptors=source.descriptors, nixl_memory_type=source.memory_type,
             lease_expiry_unix_ms=expiry)
-        self.loads.record_checksum("leased", req.request_id, table.block_ids)
         req.stream.finish(FinishReason.LENGTH, self._usage(req))
 
     # ---- ending requests --------------------------------------------------------------------

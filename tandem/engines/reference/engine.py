@@ -152,7 +152,8 @@ class ReferenceEngine(BatchingEngine):
             # two processes on one H200 runs at 155 GB/s for a 1 GiB prompt (RESULTS.md).
             # Read by UCX when the agent is made; a value the operator set wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-        return NixlTransfer(self.kv_cache, "tandem-reference")
+        return NixlTransfer(self.kv_cache, "tandem-reference",
+                            buffer_blocks=transfer_buffer_blocks(self.args, self.pool.total))
 
     def _request_key(self, request: EngineRequest) -> int:
         seed = request.sampling.seed
@@ -311,6 +312,13 @@ def _sample_inputs(plan: StepPlan) -> list[SampleInput]:
                         TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
                         req.stop_ids, req.key)
             for req in plan.ready]
+
+
+def transfer_buffer_blocks(args: EngineArgs, pool_blocks: int) -> int:
+    """Blocks of the KV transfer buffer: --kv-transfer-buffer-tokens, at most a quarter of the
+    pool (a small pool keeps its blocks for requests; larger prompts go region by region)."""
+    wanted = -(-max(args.kv_transfer_buffer_tokens, 0) // args.kv_block_size)
+    return min(wanted, pool_blocks // 4)
 
 
 def _device(name: str) -> torch.device:
