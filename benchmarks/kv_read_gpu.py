@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from tandem.engines.types import KvHandle, KvLayout  # noqa: E402
+from tandem.kv import nixl_transfer  # noqa: E402
 from tandem.kv.nixl_transfer import NixlTransfer  # noqa: E402
+from tandem.kv.transfer_buffer import TransferBuffer  # noqa: E402
 
 BLOCK = 32
 
@@ -85,6 +87,54 @@ def handle_for(source, block_ids: list[int], args: argparse.Namespace) -> KvHand
                     lease_expiry_unix_ms=int(time.time() * 1000) + 60_000)
 
 
+class Phases:
+    """Seconds spent in each phase of the reads, by wrapping NixlTransfer's steps: posting the
+    READ (initialize_xfer), its first transfer() call, waiting for DONE (polling), the
+    scatter out of the transfer buffer."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self._wrap(nixl_transfer._Agent, "post_read", "post")
+        self._wrap(NixlTransfer, "_wait", "wait", asynchronous=True)
+        self._wrap(TransferBuffer, "scatter", "scatter", asynchronous=True)
+        state = nixl_transfer._Agent.state
+
+        def timed_state(agent, key, first=False):  # noqa: ANN001, ANN202
+            started = time.perf_counter()
+            try:
+                return state(agent, key, first)
+            finally:
+                if first:
+                    self.seconds.setdefault("transfer", []).append(time.perf_counter() - started)
+        nixl_transfer._Agent.state = timed_state  # type: ignore[method-assign]
+
+    def _wrap(self, owner: type, name: str, phase: str, asynchronous: bool = False) -> None:
+        inner = getattr(owner, name)
+        record = self.seconds.setdefault
+
+        if asynchronous:
+            async def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                started = time.perf_counter()
+                try:
+                    return await inner(*args, **kwargs)
+                finally:
+                    record(phase, []).append(time.perf_counter() - started)
+        else:
+            def timed(*args, **kwargs):  # type: ignore[misc]  # noqa: ANN002, ANN003, ANN202
+                started = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    record(phase, []).append(time.perf_counter() - started)
+        setattr(owner, name, staticmethod(timed) if name == "_wait" else timed)
+
+    def take(self) -> dict[str, float]:
+        """Median milliseconds per phase since the last take."""
+        medians = {k: statistics.median(v) * 1e3 for k, v in self.seconds.items() if v}
+        self.seconds.clear()
+        return medians
+
+
 def peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float:
     """A torch copy of `nbytes` from the source's device to the reader's (median of 10)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device(args.device, args.src))
@@ -113,10 +163,13 @@ async def measure(args: argparse.Namespace, conn: Connection) -> list[dict]:
                False: NixlTransfer(pool, "bench-dst-plain")}
     rng = random.Random(0)
     rows = []
-    for tokens in args.tokens:
+    phases = Phases()
+    for tokens, max_poll_us in [(t, p) for t in args.tokens for p in args.max_poll_us]:
         n = -(-tokens // BLOCK)
+        nixl_transfer._MAX_POLL_S = max_poll_us * 1e-6
         for use_buffer in (False, True):
             reads, gathers = [], []
+            phases.take()
             for r in range(args.repeats + 1):
                 remote_ids = rng.sample(range(args.blocks), n)
                 local_ids = rng.sample(range(args.blocks), n)
@@ -136,6 +189,7 @@ async def measure(args: argparse.Namespace, conn: Connection) -> list[dict]:
             nbytes = moved
             ms = statistics.median(reads) * 1e3
             rows.append({"tokens": tokens, "blocks": n, "buffer": use_buffer,
+                         "max_poll_us": max_poll_us, "phases_ms": phases.take(),
                          "descriptors": len(source.descriptors), "mb": nbytes / 1e6,
                          "read_ms_p50": ms, "read_ms_max": max(reads) * 1e3,
                          "gather_ms_p50": statistics.median(gathers) * 1e3,
@@ -160,6 +214,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-poll-us", type=float, nargs="+", default=[1000.0],
+                        help="the reader's longest sleep between polls of a READ, microseconds "
+                        "(NixlTransfer's is 1,000); each value is a case")
     parser.add_argument("--out", default=os.environ.get("OUT", ""))
     args = parser.parse_args()
     two = args.device == "cuda" and torch.cuda.device_count() >= 2
@@ -181,16 +238,18 @@ def main() -> None:
              if args.device == "cuda" else "cpu")
     print(f"\nKV read between two processes, {names}; pool blocks of {BLOCK} tokens, "
           f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}\n")
-    print("| prompt tokens | MB | path | descriptors (handle) | read p50 ms (max) | GB/s | "
-          "peer copy GB/s | read / peer copy | source gather p50 ms |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| prompt tokens | MB | path | poll max us | descriptors (handle) | read p50 ms (max) | "
+          "GB/s | peer copy GB/s | read / peer copy | source gather p50 ms | phases p50 ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         peer = peer_copy_gbps(args, int(row["mb"] * 1e6))
         row["peer_copy_gbps"] = peer
         print(f"| {row['tokens']:,} | {row['mb']:.1f} | "
-              f"{'buffer' if row['buffer'] else 'regions'} | {row['descriptors']:,} | "
+              f"{'buffer' if row['buffer'] else 'regions'} | {row['max_poll_us']:.0f} | "
+              f"{row['descriptors']:,} | "
               f"{row['read_ms_p50']:.2f} ({row['read_ms_max']:.2f}) | {row['gbps']:.1f} | "
-              f"{peer:.1f} | {row['gbps'] / peer:.2f}x | {row['gather_ms_p50']:.2f} |")
+              f"{peer:.1f} | {row['gbps'] / peer:.2f}x | {row['gather_ms_p50']:.2f} | "
+              + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()) + " |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "kv_read_gpu.json").write_text(json.dumps(rows, indent=1))

@@ -98,6 +98,25 @@ async def one_request(session, url: str, text: str, osl: int) -> dict:
             "gaps": [1000 * (b - a) for a, b in zip(chunks, chunks[1:])]}
 
 
+async def open_loop(url: str, isl: int, osl: int, rate: float, n: int, seed: int,
+                    overhead: int) -> dict:
+    """n requests arriving as a Poisson process of `rate` per second (whatever is in flight),
+    from this process. Returns the run's figures, wall time from the first arrival to the last
+    answer."""
+    texts = prompt_texts(n, isl, seed, overhead)
+    rng = random.Random(seed)
+    async with client_session() as session:
+        start, at, tasks = time.perf_counter(), 0.0, []
+        for text in texts:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(session, url, text, osl)))
+            at += rng.expovariate(rate)
+        results = await asyncio.gather(*tasks)
+    return summarize(list(results), time.perf_counter() - start)
+
+
 def client_session():
     import aiohttp
 
@@ -200,8 +219,22 @@ async def drive(url: str, isl: int, osl: int, conc: int, n: int, seed: int,
     return summarize(results, end - start)
 
 
+#: The SLA a request must meet to count in goodput (issue 40): TTFT and its own ITL p99, ms.
+SLA_TTFT_MS = 2000.0
+SLA_ITL_MS = 25.0
+
+
+def meets_sla(result: dict) -> bool:
+    """A request that finished with TTFT and the p99 of its own token gaps inside the SLA."""
+    if "error" in result:
+        return False
+    itl = pct(result["gaps"], 99) if result["gaps"] else result["itl"]
+    return result["ttft"] <= SLA_TTFT_MS and itl <= SLA_ITL_MS
+
+
 def summarize(results: list[dict], wall: float) -> dict:
-    """One run's figures from its requests' results (those with "error" count as errors)."""
+    """One run's figures from its requests' results (those with "error" count as errors);
+    goodput is the requests per second that met the SLA (`meets_sla`)."""
     good = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in good]
@@ -216,6 +249,8 @@ def summarize(results: list[dict], wall: float) -> dict:
             "first_event_p50": pct(first_event, 50), "ttft_ms": [round(t, 2) for t in ttft],
             "late_text": sum(r["ttft"] > r["first_event"] + 1.0 for r in good),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99)}
+            "chunk_gap_p50": pct(gaps, 50), "chunk_gap_p99": pct(gaps, 99),
+            "sla_ok": sum(map(meets_sla, results)),
+            "goodput_rps": sum(map(meets_sla, results)) / wall}
 
 

@@ -68,14 +68,19 @@ def test_a_slot_is_laid_out_in_descriptor_order() -> None:
         1000 + i * REGION_BYTES for i in range(2 * SHAPE[0] * 2)]
 
 
-async def test_gather_then_scatter_moves_exactly_the_blocks() -> None:
-    pool = prefill_pool(3)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the device runs it)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_gather_then_scatter_moves_exactly_the_blocks(device: str) -> None:
+    pool = prefill_pool(3).to(device)
     buffer = TransferBuffer(pool, 8)
     slot = buffer.take(len(SCATTERED))
     assert slot is not None
     buffer.gather(slot, SCATTERED)
     assert torch.equal(buffer.view(slot), pool[:, :, SCATTERED])
-    target = TransferBuffer(torch.zeros(SHAPE), 8)
+    target = TransferBuffer(torch.zeros(SHAPE, device=device), 8)
     landing = target.take(len(SCATTERED))
     assert landing is not None
     target.view(landing).copy_(buffer.view(slot))
