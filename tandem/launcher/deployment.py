@@ -12,6 +12,7 @@ import yaml
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.launcher import placement
 from tandem.launcher.served_models import (
     DeploymentModel,
     DeploymentPool,
@@ -58,6 +59,30 @@ class Deployment:
     #: Engine backend of every worker: reference (PyTorch, real inference) or mock (no model
     #: compute, simulated timing: for load tests of the serving stack).
     engine: str = "reference"
+    #: GPUs of each decode worker, one entry per decode_ports entry: GPU indices as the host
+    #: numbers them (nvidia-smi), comma-separated: `--decode-gpus 0 1`, or `2,3` for a worker on
+    #: two (TANDEM_DECODE_GPUS splits at commas: one GPU per worker there); a worker sees only
+    #: its own (CUDA_VISIBLE_DEVICES). None: no placement (every worker sees every GPU).
+    decode_gpus: list[str] = field(default_factory=list)
+    #: GPUs of each prefill worker (--disagg), one entry per prefill_ports entry, as
+    #: decode_gpus.
+    prefill_gpus: list[str] = field(default_factory=list)
+    #: GPUs of each encode worker, one entry per encode_ports entry, as decode_gpus.
+    encode_gpus: list[str] = field(default_factory=list)
+    #: GPUs of each video worker, one entry per video_ports entry, as decode_gpus (a video
+    #: worker shares its GPU with no other worker).
+    video_gpus: list[str] = field(default_factory=list)
+    #: Fraction (0-1) of its GPU's memory each decode worker may hold (its
+    #: --gpu-memory-fraction); workers that share a GPU each need one, summing to at most 1.
+    #: 0: the whole GPU.
+    decode_gpu_memory_fraction: float = 0.0
+    #: Fraction (0-1) of its GPU's memory each prefill worker may hold, as
+    #: decode_gpu_memory_fraction.
+    prefill_gpu_memory_fraction: float = 0.0
+    #: Fraction (0-1) of its GPU's memory each encode worker may hold, as
+    #: decode_gpu_memory_fraction (an encode worker keeps no KV pool: the share only counts
+    #: towards its GPU's total).
+    encode_gpu_memory_fraction: float = 0.0
     #: Name clients pass as `model`; unset: the model directory's name.
     served_model_name: str = ""
     #: Frontend: parser of the model's tool-call markup (hermes, llama3_json, mistral,
@@ -170,7 +195,8 @@ class Deployment:
 
 @dataclass(frozen=True)
 class ServiceProcess:
-    """One process of the topology: its name, gRPC health address and command line."""
+    """One process of the topology: its name, gRPC health address, command line and the
+    variables it gets on top of the launcher's environment."""
 
     name: str
     health_address: str
@@ -180,6 +206,8 @@ class ServiceProcess:
     #: Whether other services of the topology dial its gRPC port (workers, routers): it then
     #: gets a Unix-domain socket (tandem.runtime.unix_sockets); frontends are dialed by clients.
     is_dialed_by_peers: bool = True
+    #: Set in its environment over the launcher's (a placed worker's CUDA_VISIBLE_DEVICES).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _serve(stage: str, *flags: str) -> list[str]:
@@ -194,13 +222,13 @@ def video_model_name(d: Deployment) -> str:
 
 
 def _video_worker(d: Deployment, name: str, port: int, common: list[str],
-                  worker_flags: list[str]) -> ServiceProcess:
+                  worker_flags: list[str], env: dict[str, str]) -> ServiceProcess:
     flags = ["--engine", d.video_engine, "--served-model-name", video_model_name(d)]
     flags += ["--model", d.video_model] if d.video_model else []
     flags += ["--media-output-dir", d.media_output_dir] if d.media_output_dir else []
     return ServiceProcess(name, f"{d.host}:{port}", _serve(
         "video", "--host", d.host, "--port", str(port), *flags, *common, *worker_flags,
-        *d.video_worker_flags))
+        *d.video_worker_flags), env=env)
 
 
 def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
@@ -211,18 +239,33 @@ def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
     return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
 
 
-def _model_workers(d: Deployment, t: ModelTopology, common: list[str],
-                   worker_flags: list[str]) -> list[ServiceProcess]:
+def _model_workers(d: Deployment, t: ModelTopology, common: list[str], worker_flags: list[str]
+                   ) -> tuple[list[ServiceProcess], list[placement.PlacedWorker]]:
+    """The model's workers, pool by pool, and where each is placed (placement.pool_gpus
+    validates each pool's GPUs and share)."""
     model = ["--served-model-name", t.name] if t.name else []
     engine_flags = config_lib.to_argv(t.engine_args)
     disaggregated = any(pool.kind == "prefill" for pool in t.pools)
-    return [ServiceProcess(f"{pool.name}-{i}", f"{d.host}:{port}", _serve(
-        *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
-        "--engine", d.engine, *model, *common, *engine_flags, *worker_flags, *t.worker_flags,
-        *pool.worker_flags))
-        if pool.kind != "video" else
-        _video_worker(d, f"{pool.name}-{i}", port, common, [*worker_flags, *pool.worker_flags])
-        for pool in t.pools for i, port in enumerate(pool.ports)]
+    workers: list[ServiceProcess] = []
+    placed: list[placement.PlacedWorker] = []
+    for pool, fields in zip(t.pools, t.pool_fields, strict=True):
+        gpus = placement.pool_gpus(pool, fields, d.engine, t.engine_args.device)
+        for i, port in enumerate(pool.ports):
+            name, env = f"{pool.name}-{i}", placement.gpu_env(gpus[i] if gpus else ())
+            if pool.kind == "video":
+                workers.append(_video_worker(d, name, port, common,
+                                             [*worker_flags, *pool.worker_flags], env))
+            else:
+                # The pool's share after the model's flags, before the pool's own (they win).
+                workers.append(ServiceProcess(name, f"{d.host}:{port}", _serve(
+                    *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
+                    "--engine", d.engine, *model, *common, *engine_flags, *worker_flags,
+                    *t.worker_flags, *placement.fraction_flags(pool), *pool.worker_flags),
+                    env=env))
+            placed.append(placement.PlacedWorker(
+                name, gpus[i] if gpus else (), placement.argv_fraction(workers[-1].argv),
+                fields, takes_share=pool.kind != "video"))
+    return workers, placed
 
 
 def _router_address(d: Deployment, t: ModelTopology) -> str:
@@ -269,7 +312,13 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.restart_policy not in RESTART_POLICIES:
         raise InvalidRequest(f"restart_policy must be one of {', '.join(RESTART_POLICIES)}, "
                              f"got {d.restart_policy!r}", param="restart_policy")
-    workers = [w for t in topologies for w in _model_workers(d, t, common, worker_flags)]
+    workers: list[ServiceProcess] = []
+    placed: list[placement.PlacedWorker] = []
+    for t in topologies:
+        model_workers, model_placed = _model_workers(d, t, common, worker_flags)
+        workers += model_workers
+        placed += model_placed
+    placement.check_shared_gpus(placed)
     if d.worker_metrics_ports:
         if len(d.worker_metrics_ports) != len(workers):
             raise InvalidRequest(f"worker_metrics_ports lists {len(d.worker_metrics_ports)} "

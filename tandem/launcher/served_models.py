@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.launcher.placement import PoolFields
 
 if TYPE_CHECKING:
     from tandem.launcher.deployment import Deployment
@@ -30,6 +31,15 @@ class DeploymentPool:
     #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
     #: a different --speedup-ratio for a faster pool.
     worker_flags: list[str] = field(default_factory=list)
+    #: GPUs of each worker, one entry per port in order: a comma-separated list of GPU indices
+    #: as the host numbers them (nvidia-smi), quoted in YAML: ["0", "1"], or ["2,3"] for one
+    #: worker on two. A worker sees only its GPUs (CUDA_VISIBLE_DEVICES). Empty: no placement
+    #: (each worker sees every GPU the launcher sees and takes the first).
+    gpus: list[str] = field(default_factory=list)
+    #: Share (0-1) of its GPU's memory each worker of this pool may hold, passed on as its
+    #: --gpu-memory-fraction (the reference engine sizes its KV pool by it); on a GPU that
+    #: several workers share, each needs one and they sum to at most 1. 0: the whole GPU.
+    gpu_memory_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ class ModelTopology:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     worker_flags: list[str] = field(default_factory=list)
+    #: The config keys of each pool's placement, in the order of `pools` (for errors).
+    pool_fields: list[PoolFields] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -76,21 +88,33 @@ class ModelTopology:
         return "embedding" if kinds == {"embedding"} else "text"
 
 
-def pools(d: Deployment) -> list[DeploymentPool]:
+def pools(d: Deployment) -> list[tuple[DeploymentPool, PoolFields]]:
+    """The single-model pools, each with the config keys of its placement: `pools` as
+    written, or those the flat fields describe (decode_ports, decode_gpus, ...)."""
     if d.pools:
-        return d.pools
-    shorthand = [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy)]
+        return [(p, PoolFields.of_yaml(f"pools[{i}]")) for i, p in enumerate(d.pools)]
+    shorthand = [DeploymentPool("decode", "decode", list(d.decode_ports), d.router_policy,
+                                gpus=list(d.decode_gpus),
+                                gpu_memory_fraction=d.decode_gpu_memory_fraction)]
     if d.disagg:
         shorthand.append(DeploymentPool("prefill", "prefill", list(d.prefill_ports),
-                                        d.router_policy))
+                                        d.router_policy, gpus=list(d.prefill_gpus),
+                                        gpu_memory_fraction=d.prefill_gpu_memory_fraction))
     if d.encode_ports:
         # Round robin: the kv policy has nothing to match on an encode worker.
-        shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports)))
+        shorthand.append(DeploymentPool("encode", "encode", list(d.encode_ports),
+                                        gpus=list(d.encode_gpus),
+                                        gpu_memory_fraction=d.encode_gpu_memory_fraction))
     if d.video_ports:
-        # Least loaded: a video job holds its worker for seconds to minutes; the shortest
-        # queue (reported running + waiting jobs) goes first.
-        shorthand.append(DeploymentPool("video", "video", list(d.video_ports), "least_loaded"))
-    return shorthand
+        shorthand.append(_video_pool(d))
+    return [(p, PoolFields.flat(p.kind)) for p in shorthand]
+
+
+def _video_pool(d: Deployment) -> DeploymentPool:
+    # Least loaded: a video job holds its worker for seconds to minutes; the shortest queue
+    # (reported running + waiting jobs) goes first.
+    return DeploymentPool("video", "video", list(d.video_ports), "least_loaded",
+                          gpus=list(d.video_gpus))
 
 
 def router_ports(d: Deployment) -> dict[str, int]:
@@ -124,10 +148,11 @@ def model_topologies(d: Deployment) -> list[ModelTopology]:
     if d.router_replicas < 1:
         raise InvalidRequest("router_replicas must be at least 1", param="router_replicas")
     if not d.models:
-        return [ModelTopology(d.served_model_name, d.engine_args, pools(d), router_ports(d),
-                              d.tool_call_parser, d.reasoning_parser)]
-    video = ([DeploymentPool("video", "video", list(d.video_ports), "least_loaded")]
-             if d.video_ports else [])
+        placed = pools(d)
+        return [ModelTopology(d.served_model_name, d.engine_args, [p for p, _ in placed],
+                              router_ports(d), d.tool_call_parser, d.reasoning_parser,
+                              pool_fields=[f for _, f in placed])]
+    video = [_video_pool(d)] if d.video_ports else []
     topologies: list[ModelTopology] = []
     for k, m in enumerate(d.models):
         if not m.name or not m.pools:
@@ -145,7 +170,9 @@ def model_topologies(d: Deployment) -> list[ModelTopology]:
         engine_args = dataclasses.replace(
             d.engine_args, model=m.model, max_seq_len=m.max_seq_len or d.engine_args.max_seq_len)
         named = [dataclasses.replace(p, name=f"{m.name}-{p.name}") for p in m.pools]
-        topologies.append(ModelTopology(m.name, engine_args, [*named, *(video if k == 0 else [])],
-                                        routers, m.tool_call_parser, m.reasoning_parser,
-                                        list(m.worker_flags)))
+        fields = [PoolFields.of_yaml(f"models[{k}].pools[{i}]") for i in range(len(m.pools))]
+        if k == 0 and video:
+            named, fields = [*named, *video], [*fields, PoolFields.flat("video")]
+        topologies.append(ModelTopology(m.name, engine_args, named, routers, m.tool_call_parser,
+                                        m.reasoning_parser, list(m.worker_flags), fields))
     return topologies

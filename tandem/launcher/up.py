@@ -71,7 +71,8 @@ class Topology:
             self._spawn(spec)
 
     def _spawn(self, spec: ServiceProcess) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A placed worker's CUDA_VISIBLE_DEVICES replaces the launcher's (spec.env).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         if (path := self._termination_log(spec.name)) is not None:
             env[TERMINATION_LOG_ENV] = str(path)
         env.pop(unix_sockets.SOCKET_DIR_ENV, None)  # not a directory of another run's
@@ -205,6 +206,17 @@ def _unix_socket_dir(d: Deployment, workdir: pathlib.Path) -> pathlib.Path | Non
     return path
 
 
+def _warn_of_visible_devices(specs: Sequence[ServiceProcess]) -> None:
+    """GPU entries are host indices: a CUDA_VISIBLE_DEVICES the launcher runs under does not
+    renumber them, and placed workers do not inherit it. Say so, since that may surprise."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    placed = [s.name for s in specs if "CUDA_VISIBLE_DEVICES" in s.env]
+    if inherited is not None and placed:
+        log.warning("placed workers see the GPUs their entries name, as the host numbers "
+                    "them, instead of the launcher's CUDA_VISIBLE_DEVICES",
+                    extra={"launcher_cuda_visible_devices": inherited, "placed": placed})
+
+
 async def run(d: Deployment) -> int:
     if d.models:  # the banner names the first
         model_dir, name = d.models[0].model or str(ensure_demo_model()), d.models[0].name
@@ -214,8 +226,9 @@ async def run(d: Deployment) -> int:
         name = d.served_model_name or pathlib.Path(model_dir).name
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
     routers = [name for t in model_topologies(d) for name in t.routers]
-    topology = Topology(processes(d, workdir), d.tls, workdir, routers,
-                        _unix_socket_dir(d, workdir))
+    specs = processes(d, workdir)
+    _warn_of_visible_devices(specs)
+    topology = Topology(specs, d.tls, workdir, routers, _unix_socket_dir(d, workdir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
