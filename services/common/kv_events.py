@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -12,6 +12,8 @@ from tandem.engines.types import EngineStats
 from tandem.kv.event_log import EventLog
 from tandem.kv.subscription import Batch, Message, Resync, subscribe, subscribe_loads
 from tandem.runtime import convert
+from tandem.runtime.devices import Device
+from tandem.runtime.served import ServedStats
 from tandem.runtime.server import Draining
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
@@ -22,8 +24,14 @@ _CONVERTED_KEPT = 16
 
 class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
     def __init__(self, worker_id: str, engine: Engine, event_log: EventLog,
-                 load_interval_ms: int, draining: Draining, batch_ms: float = 0.0) -> None:
+                 load_interval_ms: int, draining: Draining, batch_ms: float = 0.0,
+                 served: Callable[[], ServedStats] | None = None,
+                 devices: Sequence[Device] = ()) -> None:
         self.worker_id = worker_id
+        #: What each load report adds: what the worker served, as of the report, and its
+        #: devices (converted once: they do not change).
+        self.served = served
+        self._devices = convert.devices_to_pb(devices)
         self.engine = engine
         self.event_log = event_log
         self.load_interval_s = load_interval_ms / 1000
@@ -50,8 +58,9 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
                 sequence=message.sequence, epoch=epoch,
                 blocks=[convert.stored_to_pb(b) for b in message.blocks]))
         assert isinstance(message, EngineStats)
-        return pb.KvEventsMessage(load=convert.load_to_pb(self.worker_id, message,
-                                                          int(time.time() * 1000)))
+        served = self.served() if self.served is not None else None
+        return pb.KvEventsMessage(load=convert.load_to_pb(
+            self.worker_id, message, int(time.time() * 1000), served, self._devices))
 
     @staticmethod
     def _batch_to_pb(message: Batch, epoch: int) -> pb.KvEventsMessage:

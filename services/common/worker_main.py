@@ -47,8 +47,8 @@ def _decode(w: Worker) -> None:
 
 def _prefill(w: Worker) -> None:
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(w.engine, w.service.draining, w.config.kv_lease_ms, w.config.identity),
-        w.service.server)
+        PrefillServicer(w.engine, w.service.draining, w.config.kv_lease_ms, w.config.identity,
+                        w.served), w.service.server)
 
 
 def _encode(w: Worker) -> None:
@@ -73,13 +73,14 @@ def _registration(stage: Stage) -> Callable[[Worker], None]:
     def register(worker: Worker) -> None:
         stage.register(worker)
         worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(worker.config.identity, worker.engine,
-                           worker.config.debug_hooks), worker.service.server)
+            WorkerServicer(worker.config.identity, worker.engine, worker.config.debug_hooks,
+                           worker.served.snapshot, worker.devices), worker.service.server)
         if worker.config.publish_kv_events:
             kv_events_pb2_grpc.add_KvEventsServicer_to_server(KvEventsServicer(
                 worker.config.identity, worker.engine, worker.event_log,
                 worker.config.load_interval_ms, worker.service.draining,
-                worker.config.kv_events_batch_ms), worker.service.server)
+                worker.config.kv_events_batch_ms, worker.served.snapshot, worker.devices),
+                worker.service.server)
     return register
 
 

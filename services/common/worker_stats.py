@@ -1,22 +1,30 @@
-"""Worker servicer: the engine's stats snapshot, protobuf out; the PauseWhen test hook."""
+"""Worker servicer: the engine's stats snapshot and what the worker served, protobuf out; the
+PauseWhen test hook."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from tandem.engines.base import Engine
 from tandem.errors import FailedPrecondition, InvalidRequest
+from tandem.runtime import convert
+from tandem.runtime.devices import Device
+from tandem.runtime.served import ServedStats
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, engine: Engine, debug_hooks: bool = False) -> None:
+    def __init__(self, worker_id: str, engine: Engine, debug_hooks: bool = False,
+                 served: Callable[[], ServedStats] = ServedStats,
+                 devices: Sequence[Device] = ()) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.debug_hooks = debug_hooks
+        self.served = served
+        self.devices = tuple(devices)
 
     async def Stats(self, request: pb.StatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -25,6 +33,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                   if name in stats}
         return pb.StatsResponse(
             worker_id=self.worker_id, **fields,
+            served=convert.served_to_pb(self.served()),
+            devices=convert.devices_to_pb(self.devices),
             checksums=[pb.KvChecksum(direction=d, request_id=r, checksum=c)
                        for (d, r), c in list(self.engine.debug_checksums().items())[::-1]])
 

@@ -1,4 +1,5 @@
-"""Prefill servicer: protobuf in, engine prefill/release, protobuf out."""
+"""Prefill servicer: protobuf in, engine prefill/release, protobuf out; each call counted in
+what the worker served (tandem.runtime.served)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +7,10 @@ import dataclasses
 import grpc
 
 from tandem.engines.base import Engine
-from tandem.engines.types import EngineRequest
+from tandem.engines.types import EngineRequest, KvHandle
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.runtime import convert, tracing
+from tandem.runtime.served import ServedTally
 from tandem.runtime.server import Draining
 from tandem.v1 import prefill_pb2 as pb
 from tandem.v1 import prefill_pb2_grpc
@@ -16,15 +18,26 @@ from tandem.v1 import prefill_pb2_grpc
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, draining: Draining, default_lease_ms: int,
-                 worker_id: str) -> None:
+                 worker_id: str, served: ServedTally) -> None:
         self.engine = engine
         self.draining = draining
         self.default_lease_ms = default_lease_ms
         #: Also the address decode workers call Release on (host:port).
         self.worker_id = worker_id
+        self.served = served
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        try:
+            response, handle = await self._prefill(request)
+        except BaseException:  # refused, cancelled or failed: counted, then raised as it is
+            self.served.prefill_failed()
+            raise
+        self.served.prefill_served(handle)
+        return response
+
+    async def _prefill(self, request: pb.PrefillRequest
+                       ) -> tuple[pb.PrefillResponse, KvHandle | None]:
         if self.draining.active:
             raise Unavailable("prefill worker is draining")
         if not request.token_ids:
@@ -44,12 +57,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         response = pb.PrefillResponse(first_token=convert.logprob_to_pb(result.first_token),
                                       cached_tokens=result.cached_tokens,
                                       finish_reason=convert.finish_to_pb(result.finish_reason))
-        if result.kv_handle is not None:
-            handle = dataclasses.replace(result.kv_handle, worker_id=self.worker_id,
-                                         worker_address=self.worker_id)
-            response.kv_handle.CopyFrom(convert.kv_handle_to_pb(handle))
-        return response
+        if result.kv_handle is None:
+            return response, None
+        handle = dataclasses.replace(result.kv_handle, worker_id=self.worker_id,
+                                     worker_address=self.worker_id)
+        response.kv_handle.CopyFrom(convert.kv_handle_to_pb(handle))
+        return response, handle
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=await self.engine.release(request.request_id))
+        released = await self.engine.release(request.request_id)
+        self.served.release_answered(request.request_id, released)
+        return pb.ReleaseResponse(released=released)

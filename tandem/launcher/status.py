@@ -1,5 +1,6 @@
 """`tandem status`: every pool and worker as a router sees them (Router.ListWorkers), as a table
-for an operator or as JSON for scripts."""
+for an operator or as JSON for scripts. What a worker served and its devices come with the load
+it last reported on its event stream."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from tandem.errors import TandemError
 from tandem.launcher.supervisor import read_state, state_path
 from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
 from tandem.runtime import config as config_lib
+from tandem.runtime import devices as devices_lib
 from tandem.runtime.router_status import RouterStatusClient
 from tandem.runtime.tls import TlsConfig
 
@@ -40,7 +42,9 @@ class StatusConfig:
 
 
 _COLUMNS = ("POOL", "KIND", "WORKER", "ADDRESS", "CANDIDATE", "IN-FLIGHT", "KV USED/TOTAL",
-            "RUN/WAIT", "REPORTED", "WHY NOT A CANDIDATE")
+            "RUN/WAIT", "PREFILLS", "KV LEASED", "KV READ (MEAN)", "GPUS", "REPORTED",
+            "WHY NOT A CANDIDATE")
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def _kv(w: WorkerSnapshot) -> str:
@@ -52,18 +56,49 @@ def _kv(w: WorkerSnapshot) -> str:
     return f"{load.kv_blocks_used}/{load.kv_blocks_total}{percent}"
 
 
+def format_bytes(num_bytes: int) -> str:
+    """"0 B", "512 B", "1.5 KiB", "3.0 MiB"."""
+    value, unit = float(num_bytes), 0
+    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{num_bytes} B" if unit == 0 else f"{value:.1f} {_BYTE_UNITS[unit]}"
+
+
+def format_seconds(seconds: float) -> str:
+    """"0.42 ms", "3.12 ms", "25.3 ms", "1.25 s"."""
+    if seconds < 0.01:
+        return f"{seconds * 1000:.2f} ms"
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _served(w: WorkerSnapshot) -> tuple[str, str, str]:
+    """PREFILLS, KV LEASED, KV READ (MEAN): "-" without a report that says."""
+    served = w.last_load.served if w.last_load is not None else None
+    if served is None:
+        return "-", "-", "-"
+    failed = f" ({served.prefills_failed} failed)" if served.prefills_failed else ""
+    mean = served.mean_read_s
+    read = format_bytes(served.kv_bytes_read) + (f" ({format_seconds(mean)})"
+                                                 if mean is not None else "")
+    if served.kv_reads_failed:
+        read += f", {served.kv_reads_failed} failed"
+    return f"{served.num_prefills}{failed}", format_bytes(served.kv_bytes_leased), read
+
+
 def _row(pool: PoolSnapshot, w: WorkerSnapshot) -> tuple[str, ...]:
     load = w.last_load
     return (pool.name, pool.kind, w.worker_id, w.address, "yes" if w.candidate else "no",
             str(w.in_flight_requests), _kv(w),
-            f"{load.num_running}/{load.num_waiting}" if load else "-",
+            f"{load.num_running}/{load.num_waiting}" if load else "-", *_served(w),
+            devices_lib.describe(load.devices) if load else "-",
             f"{w.last_load_age_s:.1f}s ago" if w.last_load_age_s is not None else "never",
             w.reason)
 
 
 def format_table(address: str, pools: Sequence[PoolSnapshot]) -> str:
     """One line per worker under a summary line; REPORTED is the age of the load the worker
-    last sent on its event stream."""
+    last sent on its event stream, which also says what it served since it started (prefills;
+    KV its handles made readable; KV it read, with the mean time of a read) and its GPUs."""
     rows = [_row(pool, w) for pool in pools for w in pool.workers]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
     candidates = sum(r[4] == "yes" for r in rows)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tandem.runtime.devices import Device
+from tandem.runtime.served import ServedStats
+
 
 @dataclass(frozen=True, slots=True)
 class SlaHints:
@@ -58,6 +61,10 @@ class LoadReport:
     prefix_cache_hit_rate: float = 0.0
     #: The worker's wall clock when it took the snapshot, Unix epoch milliseconds.
     timestamp_unix_ms: int = 0
+    #: What it served since it started, as of the snapshot; None: a worker that does not say.
+    served: ServedStats | None = None
+    #: The devices it computes on; (): a worker that does not say.
+    devices: tuple[Device, ...] = ()
 
 
 @dataclass

@@ -2,9 +2,13 @@
 never sees protobuf."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tandem.engines import types as t
 from tandem.engines.guided.grammar import MAX_JSON_WHITESPACE
 from tandem.errors import InvalidRequest
+from tandem.runtime.devices import Device
+from tandem.runtime.served import ServedStats
 from tandem.v1 import common_pb2 as pb
 from tandem.v1 import kv_events_pb2 as ev_pb
 
@@ -218,13 +222,39 @@ def kv_event_to_pb(event: t.KvEvent) -> ev_pb.KvEvent:
     return ev_pb.KvEvent(cleared=ev_pb.AllBlocksCleared())
 
 
-def load_to_pb(worker_id: str, stats: t.EngineStats, now_ms: int) -> ev_pb.WorkerLoad:
-    return ev_pb.WorkerLoad(
+def load_to_pb(worker_id: str, stats: t.EngineStats, now_ms: int,
+               served: ServedStats | None = None,
+               devices: Sequence[ev_pb.WorkerDevice] = ()) -> ev_pb.WorkerLoad:
+    """`devices` as `devices_to_pb` made them (once: they do not change)."""
+    msg = ev_pb.WorkerLoad(
         worker_id=worker_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
         kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
         pending_prefill_tokens=stats.pending_prefill_tokens,
         active_decode_blocks=stats.active_decode_blocks,
-        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, timestamp_unix_ms=now_ms)
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, timestamp_unix_ms=now_ms,
+        devices=devices)
+    if served is not None:
+        msg.served.CopyFrom(served_to_pb(served))
+    return msg
+
+
+_SERVED_FIELDS = tuple(ServedStats.__slots__)
+
+
+def served_to_pb(served: ServedStats) -> ev_pb.WorkerServed:
+    return ev_pb.WorkerServed(**{f: getattr(served, f) for f in _SERVED_FIELDS})
+
+
+def served_from_pb(msg: ev_pb.WorkerServed) -> ServedStats:
+    return ServedStats(**{f: getattr(msg, f) for f in _SERVED_FIELDS})
+
+
+def devices_to_pb(devices: Sequence[Device]) -> list[ev_pb.WorkerDevice]:
+    return [ev_pb.WorkerDevice(id=d.id, name=d.name) for d in devices]
+
+
+def devices_from_pb(msgs: Sequence[ev_pb.WorkerDevice]) -> tuple[Device, ...]:
+    return tuple(Device(d.id, d.name) for d in msgs)
 
 
 def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:

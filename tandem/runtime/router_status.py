@@ -9,7 +9,7 @@ import grpc
 
 from tandem.routing.snapshot import PoolSnapshot, RoutingSettings, WorkerSnapshot
 from tandem.routing.workers import Health, LoadReport
-from tandem.runtime import status
+from tandem.runtime import convert, status
 from tandem.runtime.tls import TlsConfig, aio_channel
 from tandem.v1 import kv_events_pb2, router_pb2, router_pb2_grpc
 
@@ -26,19 +26,24 @@ _HEALTH_FROM_PB = {v: k for k, v in _HEALTH_TO_PB.items()}
 
 
 def _load_to_pb(worker_id: str, load: LoadReport) -> kv_events_pb2.WorkerLoad:
-    return kv_events_pb2.WorkerLoad(
+    msg = kv_events_pb2.WorkerLoad(
         worker_id=worker_id, num_running=load.num_running, num_waiting=load.num_waiting,
         kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
         pending_prefill_tokens=load.pending_prefill_tokens,
         active_decode_blocks=load.active_decode_blocks,
         prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        timestamp_unix_ms=load.timestamp_unix_ms)
+        timestamp_unix_ms=load.timestamp_unix_ms, devices=convert.devices_to_pb(load.devices))
+    if load.served is not None:
+        msg.served.CopyFrom(convert.served_to_pb(load.served))
+    return msg
 
 
 def load_from_pb(msg: kv_events_pb2.WorkerLoad) -> LoadReport:
     return LoadReport(msg.num_running, msg.num_waiting, msg.kv_blocks_used, msg.kv_blocks_total,
                       msg.pending_prefill_tokens, msg.active_decode_blocks,
-                      msg.prefix_cache_hit_rate, msg.timestamp_unix_ms)
+                      msg.prefix_cache_hit_rate, msg.timestamp_unix_ms,
+                      convert.served_from_pb(msg.served) if msg.HasField("served") else None,
+                      convert.devices_from_pb(msg.devices))
 
 
 def worker_to_pb(w: WorkerSnapshot) -> router_pb2.WorkerStatus:

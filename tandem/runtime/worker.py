@@ -20,7 +20,10 @@ from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, tracing
 from tandem.runtime.clients import PrefillClients
+from tandem.runtime.devices import Device, worker_devices
+from tandem.runtime.devices import describe as describe_devices
 from tandem.runtime.progress import ProgressWatchdog
+from tandem.runtime.served import ServedTally
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.runtime.worker_metrics import WorkerMetrics
@@ -35,14 +38,21 @@ class Worker:
     engine: Engine
     event_log: EventLog
     service: GrpcService
+    #: What it served since it started (its servicers count into it).
+    served: ServedTally
+    #: The devices it computes on (known once the engine started).
+    devices: tuple[Device, ...]
 
 
 AddServicers = Callable[[Worker], None]
 
 
-def _transfer_observer(metrics: WorkerMetrics | None) -> Callable[[TransferRecord], None]:
-    """Each KV read as a latency observation and a span (in its request's trace)."""
+def _transfer_observer(metrics: WorkerMetrics | None,
+                       served: ServedTally) -> Callable[[TransferRecord], None]:
+    """Each KV read counted as served, as a latency observation and a span (in its request's
+    trace)."""
     def observe(record: TransferRecord) -> None:
+        served.transfer_ended(record)
         if metrics is not None:
             metrics.observe_transfer(record)
         tracing.record("kv_transfer", record.start_unix_ns,
@@ -91,6 +101,9 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
     await engine.start()
     if config.disaggregation_mode in ("prefill", "decode"):
         engine.prepare_kv_transfer()
+    devices = worker_devices()  # after start: the engine initialised CUDA if it uses it
+    log.info("devices", extra={"devices": describe_devices(devices)})
+    served = ServedTally()
     metrics: WorkerMetrics | None = None
     if config.metrics_port:
         loop = asyncio.get_running_loop()
@@ -102,10 +115,11 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
             # Scrapes come on the HTTP server's thread; the engine's state belongs to the loop.
             return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
 
-        metrics = WorkerMetrics(config.identity, stats_on_loop, stage)
+        # `served` needs no hop to the loop: each change makes a new whole snapshot.
+        metrics = WorkerMetrics(config.identity, stats_on_loop, stage, served.snapshot)
+        served.on_hold_end = metrics.observe_hold
         start_http_server(config.metrics_port, config.host, registry=metrics.registry)
-    if metrics is not None or tracing.is_enabled():
-        engine.set_transfer_observer(_transfer_observer(metrics))
+    engine.set_transfer_observer(_transfer_observer(metrics, served))
     if tracing.is_enabled():
         engine.set_step_observer(_trace_step)
     # Decode side of disaggregation: leases on prefill workers are released once read.
@@ -116,7 +130,7 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
         names.append(kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"].full_name)
     service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s,
                                         config.max_message_bytes, config.tls), names)
-    worker = Worker(config, engine, event_log, service)
+    worker = Worker(config, engine, event_log, service, served, devices)
     add_servicers(worker)
     watchdog = ProgressWatchdog(engine, config.watchdog, service.set_serving,
                                 lambda: not service.draining.active)
@@ -125,5 +139,6 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
         _install_debug_hooks(engine)
     service.on_close(watchdog.close)  # before the engine: a closed engine is not a stuck one
     service.on_close(engine.close)
+    service.on_close(served.close)
     service.on_close(prefill_clients.close)
     await service.run()

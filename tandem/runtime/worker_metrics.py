@@ -1,6 +1,8 @@
-"""A worker's Prometheus metrics. Most are read from the engine's stats at scrape time (nothing
-on the request path): running/waiting requests, KV blocks, prefix-cache hit rate, leases,
-transfers, encoded images. KV read latencies are observed as each read ends."""
+"""A worker's Prometheus metrics. Most are read at scrape time (nothing on the request path):
+from the engine's stats, running/waiting requests, KV blocks, prefix-cache hit rate, leases,
+transfers, encoded images; from what the worker served (tandem.runtime.served), prefills by
+outcome and the KV they leased. KV read latencies and lease hold times are observed as each
+read or lease ends."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from tandem.engines.types import EngineStats, TransferRecord
 from tandem.runtime import build_info
+from tandem.runtime.served import ServedStats
 
 #: (name, help, EngineStats field) of the gauges.
 _GAUGES = (
@@ -55,9 +58,25 @@ _COUNTERS = (
     ("tandem_kv_onboard_seconds", "Time spent copying KV back from the host tier",
      "kv_onboard_seconds"),
 )
+#: (name without _total, help, ServedStats field) of the counters of what the worker served.
+_SERVED_COUNTERS = (
+    ("tandem_worker_kv_bytes_leased", "Prefill side: bytes of KV the handed-out KV handles made "
+     "readable (decode workers read them with one-sided NIXL READs this worker does not see: "
+     "what it offered, not what was read)", "kv_bytes_leased"),
+    ("tandem_worker_kv_blocks_leased", "Prefill side: KV blocks the handed-out KV handles made "
+     "readable", "kv_blocks_leased"),
+    ("tandem_worker_kv_leases_released", "Prefill side: leases freed by a Release call (expired "
+     "ones: tandem_kv_lease_expiries_total)", "kv_leases_released"),
+)
+#: outcome label -> ServedStats field of tandem_worker_prefills_total.
+_PREFILL_OUTCOMES = (("leased", "prefills_leased"), ("finished", "prefills_finished"),
+                     ("failed", "prefills_failed"))
 #: KV reads: sub-millisecond (shared memory, NVLink) to tens of seconds (long prompts over TCP).
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                      5, 10, 30, 60)
+#: Lease holds: a read's time plus the Release call, up to the lease's length (30 s default).
+_HOLD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                 120, 300)
 
 
 class EngineCollector(Collector):
@@ -77,12 +96,44 @@ class EngineCollector(Collector):
             yield counter
 
 
-class WorkerMetrics:
-    """The registry a worker's --metrics-port serves."""
+class ServedCollector(Collector):
+    def __init__(self, worker_id: str, served: Callable[[], ServedStats]) -> None:
+        self.worker_id = worker_id
+        self.served = served
 
-    def __init__(self, worker_id: str, stats: Callable[[], EngineStats], stage: str) -> None:
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        served = self.served()
+        prefills = CounterMetricFamily(
+            "tandem_worker_prefills", "Prefill calls by outcome: leased (a KV handle handed "
+            "out), finished (on the first token: no handle), failed (refused, cancelled or "
+            "failed)", labels=["worker", "outcome"])
+        for outcome, field in _PREFILL_OUTCOMES:
+            prefills.add_metric([self.worker_id, outcome], getattr(served, field))
+        yield prefills
+        for name, help_text, field in _SERVED_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["worker"])
+            counter.add_metric([self.worker_id], getattr(served, field))
+            yield counter
+
+
+class WorkerMetrics:
+    """The registry a worker's --metrics-port serves. `served` is read from the scrape's thread
+    (ServedTally.snapshot may be)."""
+
+    def __init__(self, worker_id: str, stats: Callable[[], EngineStats], stage: str,
+                 served: Callable[[], ServedStats] = ServedStats) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(worker_id, stats))
+        self.registry.register(ServedCollector(worker_id, served))
+        hold_seconds = Histogram(
+            "tandem_worker_kv_lease_hold_seconds", "Prefill side: time from a KV handle handed "
+            "out to its lease's end: a Release call (ended=released; the decode worker calls it "
+            "once its read is over: this worker's view of the transfer's time, since the "
+            "one-sided NIXL READ itself is invisible here) or expiry (ended=expired: the "
+            "lease's length)", ("worker", "ended"), buckets=_HOLD_BUCKETS,
+            registry=self.registry)
+        self._hold_seconds = {ended: hold_seconds.labels(worker_id, ended)
+                              for ended in ("released", "expired")}
         self._transfer_seconds = Histogram(
             "tandem_kv_transfer_seconds", "Time to read a request's KV from a prefill worker "
             "(completed reads)", ("worker",), buckets=_TRANSFER_BUCKETS,
@@ -92,3 +143,7 @@ class WorkerMetrics:
     def observe_transfer(self, record: TransferRecord) -> None:
         if record.error is None:
             self._transfer_seconds.observe(record.duration_s)
+
+    def observe_hold(self, ended: str, seconds: float) -> None:
+        """A lease ended (ServedTally.on_hold_end)."""
+        self._hold_seconds[ended].observe(seconds)

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.e2e.disagg_probe import wait_idle
 from tests.e2e.topology import Topology, free_ports, start_topology
 
 #: The demo model's mock KV block: 2 layers x K,V x 32 tokens x 2 heads x 16 dims x 4 bytes.
@@ -156,7 +157,21 @@ def test_counts_after_a_known_set_of_requests(scrapes: Scrapes) -> None:
     assert total(d, "tandem_worker_kv_blocks_total") > 0
     assert total(d, "tandem_build_info", service="decode") == 1
 
+    # The decode worker releases each lease once its read is over, in the background.
+    wait_idle(*topo.prefill_addresses)
     p = scrapes.read(scrapes.prefill)
     assert total(p, "tandem_worker_prefix_cache_hit_rate") > 0
     assert total(p, "tandem_kv_lease_expiries_total") == 0
+    # What the prefill worker served: a handle per disaggregated request, the very KV the
+    # decode worker read, every lease released by the decode worker and held meanwhile.
+    assert total(p, "tandem_worker_prefills_total", outcome="leased") == 6
+    assert total(p, "tandem_worker_prefills_total", outcome="finished") == 0
+    assert total(p, "tandem_worker_prefills_total", outcome="failed") == 0
+    assert total(p, "tandem_worker_kv_bytes_leased_total") == blocks * BLOCK_BYTES
+    assert total(p, "tandem_worker_kv_blocks_leased_total") == blocks
+    assert total(p, "tandem_worker_kv_leases_released_total") == 6
+    hold = "tandem_worker_kv_lease_hold_seconds"
+    assert total(p, f"{hold}_count", ended="released") == 6
+    assert total(p, f"{hold}_count", ended="expired") == 0
+    assert 0 < total(p, f"{hold}_sum", ended="released") < 6 * 30
     assert total(p, "tandem_build_info", service="prefill") == 1

@@ -66,8 +66,9 @@ def stuck_request(address: str) -> None:
 
 
 def test_status_lists_every_worker_and_why_one_is_not_a_candidate() -> None:
+    # Each worker says which GPUs it was given (the mock engine computes on none of them).
     topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--progress-timeout-s",
-                          "1", "--debug-hooks", num_decode=2)
+                          "1", "--debug-hooks", num_decode=2, env={"CUDA_VISIBLE_DEVICES": "3"})
     stalled, other = topo.decode_addresses
     try:
         # READY means every worker of every pool is a candidate: no wait here.
@@ -84,8 +85,10 @@ def test_status_lists_every_worker_and_why_one_is_not_a_candidate() -> None:
         for address in topo.decode_addresses:
             row = rows(table.stdout)[address].split()
             assert row[:6] == ["decode", "decode", address, address, "yes", "0"]
-            # KV used/total (%) and running/waiting, as the worker reported them.
+            # KV used/total (%) and running/waiting, as the worker reported them; what it
+            # served (no prefill, no KV leased nor read yet) and its GPUs.
             assert row[6].startswith("0/") and row[7:9] == ["(0%)", "0/0"]
+            assert row[9:15] == ["0", "0", "B", "0", "B", "3"]
         listed = json.loads(status("--router-address", topo.router_address, "--json").stdout)
         (pool,) = listed["pools"]
         assert (pool["name"], pool["kind"]) == ("decode", "decode")
@@ -93,6 +96,8 @@ def test_status_lists_every_worker_and_why_one_is_not_a_candidate() -> None:
                 for w in pool["workers"]] == [(a, True, "serving", True)
                                                for a in topo.decode_addresses]
         assert all(w["last_load"]["kv_blocks_total"] > 0 for w in pool["workers"])
+        assert all(w["last_load"]["devices"] == [{"id": "3", "name": ""}]
+                   and w["last_load"]["served"]["kv_reads_ok"] == 0 for w in pool["workers"])
 
         # Stall one engine with work queued: its worker turns NOT_SERVING.
         pid = child_pid(topo.process.pid, int(stalled.rsplit(":", 1)[1]))

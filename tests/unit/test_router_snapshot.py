@@ -15,7 +15,9 @@ from tandem.routing.config import PoolConfig
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.snapshot import all_candidates, not_candidates
 from tandem.routing.workers import Health, LoadReport, SlaHints, WorkerState
+from tandem.runtime.devices import Device
 from tandem.runtime.router_status import pools_from_pb, pools_to_pb
+from tandem.runtime.served import ServedStats
 from tandem.runtime.server import GrpcService, ServerOptions
 from tandem.v1 import router_pb2_grpc
 
@@ -135,6 +137,12 @@ def test_snapshot_survives_protobuf() -> None:
     ws = workers(r)
     set_state(ws["d:1"], Health.NOT_SERVING, False, events_error="CANCELLED: gone")
     ws["d:0"].take_report(LoadReport(1, 2, 3, 4, 5, 6, 0.25, 7), now=1.0)
+    # What a worker served and its devices ride on its load report.
+    ws["p:0"].take_report(LoadReport(0, 0, 1, 64, served=ServedStats(
+        prefills_leased=3, prefills_finished=1, prefills_failed=2, kv_bytes_leased=4096,
+        kv_blocks_leased=1, kv_leases_released=2, kv_leases_expired=1, kv_reads_ok=5,
+        kv_reads_failed=6, kv_bytes_read=7, kv_read_seconds=0.5),
+        devices=(Device("3", "NVIDIA H200"), Device("GPU-0a1b"))), now=1.0)
     r.route(info("r0"))
     pools = r.snapshot(now=2.75)
     assert pools_from_pb(pools_to_pb(pools)) == pools
