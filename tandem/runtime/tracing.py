@@ -19,7 +19,6 @@ OpenTelemetry's own is; each span belongs to one request.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,6 +28,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+
+from tandem.runtime import build_info
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,11 @@ def setup(service: str, environ: Mapping[str, str] = os.environ) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    version = importlib.metadata.version("tandem")
-    resource = Resource.create({"service.version": version, "tandem.service": service})
+    # build_info's version: a source checkout on PYTHONPATH (the GPU benchmarks) has no
+    # installed metadata, and tracing must not keep a service from starting.
+    version = build_info.version()
+    resource = Resource.create({"service.version": version,
+                                "tandem.service": service})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: f"tandem-{service}"}))
     provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
