@@ -98,12 +98,15 @@ def test_disaggregated_greedy_equals_aggregated_and_transformers(
     wait_idle(decode, pre)
 
 
-def test_disaggregated_tokens_through_grpc_equal_transformers(topo: Topology,
-                                                             reference: Reference) -> None:
+def test_disaggregated_tokens_through_grpc_equal_transformers(
+        topo: Topology, reference: Reference, model_dir: pathlib.Path) -> None:
     (decode,), (pre,) = topo.decode_addresses, topo.prefill_addresses
     ids = list(range(100, 149))  # 3 full blocks and 1 token
     answer = prefill(pre, "grpc-direct", ids)
     assert answer.kv_handle.backend == 1 and answer.kv_handle.nixl_agent_name  # NIXL
+    # The prompt's 4 blocks were copied into the transfer buffer: one descriptor over them.
+    (whole,) = answer.kv_handle.descriptors
+    assert whole.length == 4 * block_bytes(model_dir)
     tokens, last = generate(decode, "grpc-direct", ids, MAX_TOKENS, answer)
     assert tokens == reference.greedy(ids, MAX_TOKENS)[0]
     assert last.usage.prompt_tokens == len(ids)
