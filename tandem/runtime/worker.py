@@ -102,7 +102,7 @@ async def run_worker(config: WorkerConfig, stage: str, add_servicers: AddService
     if config.disaggregation_mode in ("prefill", "decode"):
         engine.prepare_kv_transfer()
     devices = worker_devices()  # after start: the engine initialised CUDA if it uses it
-    log.info("devices", extra={"devices": describe_devices(devices)})
+    log.debug("devices", extra={"devices": describe_devices(devices)})
     served = ServedTally()
     metrics: WorkerMetrics | None = None
     if config.metrics_port:
