@@ -320,6 +320,13 @@ class EngineStats:
     kv_onboard_bytes: int = 0
     kv_onboard_seconds: float = 0.0
     kv_host_hit_rate: float = 0.0
+    #: KV transfer buffer (tandem.kv.transfer_buffer; 0 without one, or before the worker's
+    #: first transfer): blocks its slots hold now and can hold, and reads that went through it
+    #: against those that went region by region (a prompt that did not fit a buffer).
+    kv_transfer_buffer_blocks_used: int = 0
+    kv_transfer_buffer_blocks_total: int = 0
+    kv_reads_buffered: int = 0
+    kv_reads_by_region: int = 0
 
 
 @dataclass(frozen=True, slots=True)

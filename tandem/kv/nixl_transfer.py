@@ -297,6 +297,13 @@ class NixlTransfer(KvTransfer):
                             for address in self._addresses(block_ids))
         return TransferSource(agent.name, agent.metadata, descriptors, self.memory_type)
 
+    def buffer_stats(self) -> dict[str, int]:
+        buffer = self.buffer
+        return {"kv_transfer_buffer_blocks_used": buffer.num_taken if buffer else 0,
+                "kv_transfer_buffer_blocks_total": buffer.capacity if buffer else 0,
+                "kv_reads_buffered": self.num_buffered_reads,
+                "kv_reads_by_region": self.num_region_reads}
+
     def end_source(self, source: TransferSource) -> None:
         if isinstance(source.slot, Slot) and self.buffer is not None:
             self.buffer.give(source.slot)

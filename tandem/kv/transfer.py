@@ -50,6 +50,11 @@ class KvTransfer(ABC):
     def source(self, block_ids: Sequence[int]) -> TransferSource:
         """Describes local blocks (in prompt order) for a peer to read."""
 
+    def buffer_stats(self) -> dict[str, int]:
+        """The transfer buffer's EngineStats fields (kv_transfer_buffer_blocks_used, ...);
+        none without a buffer."""
+        return {}
+
     def end_source(self, source: TransferSource) -> None:  # noqa: B027 (nothing by default)
         """The peer is done with `source` (read, released or expired): frees what `source`
         holds beside the pool blocks. Called exactly once per source."""

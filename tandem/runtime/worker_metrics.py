@@ -33,6 +33,11 @@ _GAUGES = (
      "kv_host_blocks_total"),
     ("tandem_worker_kv_host_hit_rate", "Share of prompt tokens served from the host KV tier",
      "kv_host_hit_rate"),
+    ("tandem_worker_kv_transfer_buffer_blocks_used", "KV blocks held in the transfer buffer "
+     "(leases on a prefill worker, reads in flight on a decode worker)",
+     "kv_transfer_buffer_blocks_used"),
+    ("tandem_worker_kv_transfer_buffer_blocks_total", "KV blocks the transfer buffer holds",
+     "kv_transfer_buffer_blocks_total"),
 )
 #: (name without _total, help, EngineStats field) of the counters.
 _COUNTERS = (
@@ -42,6 +47,11 @@ _COUNTERS = (
      "kv_transfers_failed"),
     ("tandem_kv_lease_expiries", "Prefill leases that ran out before release",
      "kv_lease_expiries"),
+    ("tandem_kv_reads_buffered", "KV reads through the transfer buffer (one descriptor)",
+     "kv_reads_buffered"),
+    ("tandem_kv_reads_by_region", "KV reads one descriptor per block, layer and K|V (the "
+     "prompt did not fit a transfer buffer: slower, and posted on the worker's loop)",
+     "kv_reads_by_region"),
     ("tandem_encode_images", "Images the encoder ran on", "num_encoded_images"),
     ("tandem_encode_cache_hits", "Images answered from the encoder cache (by content hash)",
      "encode_cache_hits"),

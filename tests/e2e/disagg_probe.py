@@ -24,12 +24,13 @@ def stats(address: str) -> worker_pb2.StatsResponse:
 
 
 def wait_idle(*addresses: str, timeout_s: float = 30) -> None:
-    """Until every worker holds no KV block, no lease and no read in flight."""
+    """Until every worker holds no KV block, no lease, no read in flight and no transfer
+    buffer slot."""
     deadline = time.monotonic() + timeout_s
     while True:
         current = [stats(a) for a in addresses]
         if all(s.kv_blocks_used == 0 and s.kv_leases == 0 and s.num_loading == 0
-               for s in current):
+               and s.kv_transfer_buffer_blocks_used == 0 for s in current):
             return
         assert time.monotonic() < deadline, f"workers not idle: {current}"
         time.sleep(0.05)

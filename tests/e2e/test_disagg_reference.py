@@ -81,6 +81,10 @@ def test_disaggregated_greedy_equals_aggregated_and_transformers(
         answers = list(pool.map(complete, batch))
     after = stats(decode)
     assert after.kv_transfers_ok - before.kv_transfers_ok == len(batch)
+    # Every prompt fit both transfer buffers (a quarter of 256 blocks): one descriptor each.
+    assert after.kv_reads_buffered - before.kv_reads_buffered == len(batch)
+    assert after.kv_reads_by_region == before.kv_reads_by_region
+    assert after.kv_transfer_buffer_blocks_total == 64
     blocks = sum(-(-len(ids) // BLOCK_SIZE) for ids in batch)
     assert after.kv_bytes_received - before.kv_bytes_received == blocks * block_bytes(model_dir)
     for ids, answer in zip(batch, answers, strict=True):

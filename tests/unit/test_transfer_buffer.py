@@ -160,9 +160,9 @@ async def test_reads_through_the_buffer_land_exactly(
         assert_only_blocks_written(decode.kv_cache, {
             local: peer.pool[:, :, remote] for local, remote in zip(local_ids, SCATTERED)})
         assert posted == [descriptors]
-        assert decode.num_buffered_reads == buffered_reads
-        if decode.buffer is not None:
-            assert decode.buffer.num_free == reader_blocks
+        assert decode.buffer_stats() == {
+            "kv_transfer_buffer_blocks_used": 0, "kv_transfer_buffer_blocks_total": reader_blocks,
+            "kv_reads_buffered": buffered_reads, "kv_reads_by_region": 1 - buffered_reads}
     finally:
         decode.close()
 

@@ -589,6 +589,8 @@ class BatchingEngine(Engine):
             kv_transfers_ok=loads.num_ok,
             kv_transfers_failed=loads.num_failed,
             **self.host_copies.stats_fields(),  # type: ignore[arg-type]
+            # Not self.transfer: stats must not create the transfer (and its NIXL agent).
+            **(self._transfer.buffer_stats() if self._transfer is not None else {}),
         )
 
 
