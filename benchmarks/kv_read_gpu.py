@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import multiprocessing
 import os
@@ -126,7 +127,8 @@ class Phases:
                     return inner(*args, **kwargs)
                 finally:
                     record(phase, []).append(time.perf_counter() - started)
-        setattr(owner, name, staticmethod(timed) if name == "_wait" else timed)
+        static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if static else timed)
 
     def take(self) -> dict[str, float]:
         """Median milliseconds per phase since the last take."""

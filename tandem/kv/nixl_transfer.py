@@ -281,15 +281,15 @@ class NixlTransfer(KvTransfer):
     def source(self, block_ids: Sequence[int]) -> TransferSource:
         self._check_local(block_ids)
         agent = self._live_agent()
-        slot = self.buffer.take(len(block_ids)) if self.buffer is not None else None
-        if slot is not None:
-            assert self.buffer is not None
+        buffer = self.buffer
+        slot = buffer.take(len(block_ids)) if buffer is not None else None
+        if buffer is not None and slot is not None:
             try:
-                self.buffer.gather(slot, block_ids)
+                buffer.gather(slot, block_ids)
             except BaseException:
-                self.buffer.give(slot)
+                buffer.give(slot)
                 raise
-            whole = MemoryDescriptor(self.buffer.address(slot), len(block_ids) * self.block_bytes,
+            whole = MemoryDescriptor(buffer.address(slot), len(block_ids) * self.block_bytes,
                                      self.device_id)
             return TransferSource(agent.name, agent.metadata, (whole,), self.memory_type,
                                   copied=True, slot=slot)
@@ -362,31 +362,29 @@ class NixlTransfer(KvTransfer):
         if len(set(local_block_ids)) != num_blocks:
             raise TransferError("the local block ids repeat")
         remote, remote_devices = self._remote(handle, num_blocks)
-        slot = self.buffer.take(num_blocks) if self.buffer is not None else None
+        buffer = self.buffer
+        slot = buffer.take(num_blocks) if buffer is not None else None
+        if buffer is None or slot is None:
+            num_bytes = await self._read(handle, self._addresses(local_block_ids), remote,
+                                         remote_devices, timeout_s)
+            self.num_region_reads += 1
+            return num_bytes
         try:
-            num_bytes = await self._read(handle, local_block_ids, remote, remote_devices, slot,
-                                         timeout_s)
-            if slot is not None:
-                assert self.buffer is not None
-                await self.buffer.scatter(slot, local_block_ids)
+            num_bytes = await self._read(handle, buffer.region_addresses(slot), remote,
+                                         remote_devices, timeout_s)
+            await buffer.scatter(slot, local_block_ids)
         finally:
             # After a TransferError or a cancellation nothing writes into the slot any more
             # (the read ended or its agent was torn down), and a scatter ends before its await.
-            if slot is not None:
-                assert self.buffer is not None
-                self.buffer.give(slot)
-        if slot is not None:
-            self.num_buffered_reads += 1
-        else:
-            self.num_region_reads += 1
+            buffer.give(slot)
+        self.num_buffered_reads += 1
         return num_bytes
 
-    async def _read(self, handle: KvHandle, local_block_ids: Sequence[int], remote: np.ndarray,
-                    remote_devices: np.ndarray, slot: Slot | None, timeout_s: float) -> int:
-        """One READ of the handle's regions into `slot` (when given) or the local blocks."""
-        num_blocks = len(local_block_ids)
-        local = (self._addresses(local_block_ids) if slot is None or self.buffer is None
-                 else self.buffer.region_addresses(slot))
+    async def _read(self, handle: KvHandle, local: np.ndarray, remote: np.ndarray,
+                    remote_devices: np.ndarray, timeout_s: float) -> int:
+        """One READ of the handle's regions into the local regions at `local` (addresses in
+        descriptor order: the pool's blocks, or a transfer-buffer slot)."""
+        num_blocks = len(local) // (2 * self.num_layers)
         local_descs, remote_descs = coalesce(local, remote, remote_devices, self.region_bytes,
                                              self.device_id)
         loop = asyncio.get_running_loop()

@@ -297,7 +297,7 @@ class BatchingEngine(Engine):
                                  functools.partial(transfer.end_source, source))
         self._handles_out[req.request_id] = KvHandle(
             worker_id="", worker_address="", request_id=req.request_id,
-            backend=self.transfer.backend, layout=self._layout, num_tokens=req.num_prompt,
+            backend=transfer.backend, layout=self._layout, num_tokens=req.num_prompt,
             block_ids=block_ids, block_hashes=hashes,
             nixl_agent_name=source.agent_name, nixl_agent_metadata=source.agent_metadata,
             descriptors=source.descriptors, nixl_memory_type=source.memory_type,
