@@ -106,9 +106,12 @@ class EngineArgs:
     #: Mock engine: simulated copy bandwidth between the KV pool and the host tier
     #: (--kv-host-cache-bytes), GB/s; a step lasts its copies plus its compute (0: instant).
     mock_kv_host_gbps: float = 25.0
-    # == TensorRT-LLM engine ==
-    #: TensorRT-LLM: GPUs per tensor-parallel group.
+    # == parallelism ==
+    #: Reference engine and TensorRT-LLM: GPUs (ranks) per tensor-parallel group, one worker.
+    #: The reference engine starts a process per rank past the first (NCCL between GPUs, gloo
+    #: on the CPU), each holding its shard of the weights and of the KV heads.
     tensor_parallel_size: int = 1
+    # == TensorRT-LLM engine ==
     #: TensorRT-LLM: pipeline-parallel stages.
     pipeline_parallel_size: int = 1
     #: TensorRT-LLM: expert-parallel size of MoE weights (moe_expert_parallel_size); 0: unset.

@@ -249,7 +249,8 @@ def _model_workers(d: Deployment, t: ModelTopology, common: list[str], worker_fl
     workers: list[ServiceProcess] = []
     placed: list[placement.PlacedWorker] = []
     for pool, fields in zip(t.pools, t.pool_fields, strict=True):
-        gpus = placement.pool_gpus(pool, fields, d.engine, t.engine_args.device)
+        gpus = placement.pool_gpus(pool, fields, d.engine, t.engine_args.device,
+                                   t.engine_args.tensor_parallel_size)
         for i, port in enumerate(pool.ports):
             name, env = f"{pool.name}-{i}", placement.gpu_env(gpus[i] if gpus else ())
             if pool.kind == "video":

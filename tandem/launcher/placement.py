@@ -89,15 +89,17 @@ def parse_gpus(entry: str, param: str) -> tuple[int, ...]:
     return gpus
 
 
-def pool_gpus(pool: DeploymentPool, fields: PoolFields, engine: str,
-              device: str) -> list[tuple[int, ...]]:
+def pool_gpus(pool: DeploymentPool, fields: PoolFields, engine: str, device: str,
+              ranks: int = 1) -> list[tuple[int, ...]]:
     """The GPUs of each worker of `pool`, in port order; [] when the pool places nothing.
-    `engine` and `device` are what its workers run (EngineArgs.device; video pools: ignored).
+    `engine` and `device` are what its workers run (EngineArgs.device; video pools: ignored),
+    `ranks` the GPUs each worker computes on (--tensor-parallel-size).
 
     Raises:
         InvalidRequest: a share outside [0, 1], or one on a video pool; GPU entries that do not
             number the pool's workers, or that parse_gpus refuses; placement with an engine or
-            a device that uses no GPU, or a cuda:N a placed worker would not see.
+            a device that uses no GPU, or a cuda:N a placed worker would not see; an entry
+            of fewer GPUs than `ranks`.
     """
     fraction = pool.gpu_memory_fraction
     if not 0.0 <= fraction <= 1.0:  # NaN too
@@ -123,8 +125,14 @@ def pool_gpus(pool: DeploymentPool, fields: PoolFields, engine: str,
     if device == "cpu":
         raise InvalidRequest(f"{fields.gpus} places workers on GPUs, but --device is cpu: use "
                              "--device auto (or cuda)", param=fields.gpus)
+    fewest = min(len(worker) for worker in gpus)
+    if fewest < ranks:
+        short = next(entry for entry, worker in zip(pool.gpus, gpus) if len(worker) == fewest)
+        raise InvalidRequest(f"{fields.gpus} entry {short!r} lists {fewest} GPU(s) for a worker "
+                             f"of --tensor-parallel-size {ranks}: list {ranks} GPUs per worker "
+                             f"(e.g. \"{','.join(map(str, range(ranks)))}\")",
+                             param=fields.gpus)
     if (ordinal := _cuda_ordinal(device)) is not None:
-        fewest = min(len(worker) for worker in gpus)
         if ordinal >= fewest:
             # CUDA_VISIBLE_DEVICES renumbers a worker's GPUs from 0.
             raise InvalidRequest(f"--device {device} names the worker's GPU {ordinal}, but a "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.reference.engine import _num_blocks
+from tandem.engines.reference.build import num_kv_blocks
 from tandem.errors import InvalidRequest
 from tandem.launcher import up
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes
@@ -199,6 +199,18 @@ def test_placement_needs_an_engine_and_a_device_that_use_gpus(tmp_path: pathlib.
         "decode-0"].env["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
+def test_a_tensor_parallel_worker_takes_as_many_gpus_as_ranks(tmp_path: pathlib.Path) -> None:
+    error = _refusal(tmp_path, ["--tensor-parallel-size", "2", "--decode-ports", "9200", "9201",
+                                "--decode-gpus", "0,1", "2"])
+    assert error.param == "decode_gpus"
+    assert error.message == ("decode_gpus entry '2' lists 1 GPU(s) for a worker of "
+                             "--tensor-parallel-size 2: list 2 GPUs per worker (e.g. \"0,1\")")
+    procs = _procs(tmp_path, ["--tensor-parallel-size", "2", "--decode-ports", "9200", "9201",
+                              "--decode-gpus", "0,1", "2,3"])
+    assert [procs[f"decode-{i}"].env["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0,1", "2,3"]
+    assert _worker_config(procs["decode-1"]).engine_args.tensor_parallel_size == 2
+
+
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "nan"])
 def test_fractions_within_zero_and_one(tmp_path: pathlib.Path, value: str) -> None:
     error = _refusal(tmp_path, ["--decode-gpu-memory-fraction", value])
@@ -354,22 +366,22 @@ CUDA = torch.device("cuda", 0)
 def test_kv_budget_is_the_share_less_what_the_weights_hold(fake_gpu: SimpleNamespace) -> None:
     args = EngineArgs(gpu_memory_fraction=0.5, free_gpu_memory_fraction=0.9)
     # (0.5 * 80 GiB - 16 GiB) * 0.9 = 21.6 GiB = 22118.4 MiB.
-    assert _num_blocks(args, MiB, CUDA) == 22118
+    assert num_kv_blocks(args, MiB, CUDA) == 22118
     # Without a share: 0.9 of the 60 GiB free.
-    assert _num_blocks(EngineArgs(free_gpu_memory_fraction=0.9), MiB, CUDA) == 55296
+    assert num_kv_blocks(EngineArgs(free_gpu_memory_fraction=0.9), MiB, CUDA) == 55296
 
 
 def test_kv_budget_under_a_share_is_capped_by_the_free_memory(
         fake_gpu: SimpleNamespace) -> None:
     fake_gpu.free = 10 * GiB  # another worker holds more than its share
     args = EngineArgs(gpu_memory_fraction=0.5, free_gpu_memory_fraction=0.9)
-    assert _num_blocks(args, MiB, CUDA) == 9216  # 0.9 * 10 GiB
+    assert num_kv_blocks(args, MiB, CUDA) == 9216  # 0.9 * 10 GiB
 
 
 def test_a_share_the_weights_fill_is_refused_clearly(fake_gpu: SimpleNamespace) -> None:
     fake_gpu.held = 40 * GiB
     with pytest.raises(InvalidRequest) as info:
-        _num_blocks(EngineArgs(gpu_memory_fraction=0.5), MiB, CUDA)
+        num_kv_blocks(EngineArgs(gpu_memory_fraction=0.5), MiB, CUDA)
     assert info.value.param == "gpu_memory_fraction"
     assert info.value.message == (
         f"--gpu-memory-fraction 0.5 gives this worker {40 * GiB} bytes of the GPU's "
@@ -383,11 +395,11 @@ def test_the_engine_refuses_a_share_outside_zero_and_one(fake_gpu: SimpleNamespa
                                                          fraction: float) -> None:
     for device in (CUDA, torch.device("cpu")):
         with pytest.raises(InvalidRequest, match=r"within \[0, 1\]") as info:
-            _num_blocks(EngineArgs(gpu_memory_fraction=fraction), MiB, device)
+            num_kv_blocks(EngineArgs(gpu_memory_fraction=fraction), MiB, device)
         assert info.value.param == "gpu_memory_fraction"
 
 
 def test_on_cpu_the_share_changes_nothing(fake_gpu: SimpleNamespace) -> None:
     args = EngineArgs(gpu_memory_fraction=0.5, kv_cache_cpu_bytes=64 * MiB)
-    assert _num_blocks(args, MiB, torch.device("cpu")) == 64
-    assert _num_blocks(EngineArgs(gpu_memory_fraction=0.5, num_gpu_blocks=7), MiB, CUDA) == 7
+    assert num_kv_blocks(args, MiB, torch.device("cpu")) == 64
+    assert num_kv_blocks(EngineArgs(gpu_memory_fraction=0.5, num_gpu_blocks=7), MiB, CUDA) == 7

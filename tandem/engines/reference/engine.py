@@ -30,6 +30,7 @@ from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference import jit_watch
 from tandem.engines.reference.batch import allocate_kv_cache
+from tandem.engines.reference.build import kv_block_bytes, num_kv_blocks
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.embed_engine import ReferenceEmbedEngine, create_embed_engine
 from tandem.engines.reference.encode_engine import (
@@ -42,6 +43,9 @@ from tandem.engines.reference.host_kv import HostKvStore
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.overlap import OverlapSteps
+from tandem.engines.reference.parallel.group import TensorGroup, init_group
+from tandem.engines.reference.parallel.mirror import Mirror
+from tandem.engines.reference.parallel.ranks import Followers
 from tandem.engines.reference.prefill_graphs import PrefillGraphs
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
@@ -55,6 +59,8 @@ from tandem.model.config import ModelConfig
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_BAD_IMAGES = 4096
+#: The worker's exit status when a tensor-parallel rank died under it.
+_EXIT_RANK_LOST = 70
 
 
 class ReferenceEngine(BatchingEngine):
@@ -63,7 +69,8 @@ class ReferenceEngine(BatchingEngine):
 
     def __init__(self, args: EngineArgs, config: ModelConfig, model: DecoderModel,
                  kv_cache: torch.Tensor, device: torch.device,
-                 encoder: ImageEncoder | None = None) -> None:
+                 encoder: ImageEncoder | None = None, followers: Followers | None = None
+                 ) -> None:
         num_layers, _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         max_model_len = args.max_seq_len or config.max_position_embeddings
@@ -77,15 +84,20 @@ class ReferenceEngine(BatchingEngine):
         self.sampler = Sampler(device)
         #: The vision side of a LLaVA model; None for a text-only one.
         self.encoder = encoder
+        #: Ranks 1.. of a tensor-parallel model (their pools are allocated by
+        #: create_reference_engine, which then sets the model's mirror); None with one rank.
+        self.followers = followers
         #: Images whose bytes failed to decode in a step: refused at admission from then on,
         #: since blocks hashed with them may hold KV computed without their embeddings. Bounded:
         #: the oldest are forgotten (a dict keeps insertion order).
         self._bad_images: dict[str, None] = {}
         # A model whose decode step syncs with the host (an MoE expert loop reading per-expert
         # token counts, moe.run_experts) decodes eagerly: a CUDA graph cannot hold the sync.
+        # Tensor parallelism runs eagerly for now: its graphs would have to be captured and
+        # replayed by every rank in step (not built yet; see the README).
         max_graph_batch = min(args.max_batch_size, 256)
         self.graphs = (None if device.type != "cuda" or args.enforce_eager
-                       or model.decode_syncs(max_graph_batch)
+                       or model.tp.is_parallel or model.decode_syncs(max_graph_batch)
                        else DecodeGraphs(model, kv_cache, max_graph_batch,
                                          -(-max_model_len // block_size)))
         #: Steps with prompt tokens, as graphs between their attentions; None where eager.
@@ -104,6 +116,8 @@ class ReferenceEngine(BatchingEngine):
                                                   "pinned": self.host_kv.is_cuda})
 
     async def start(self) -> None:
+        if self.followers is not None and self._task is None:
+            self.followers.watch(_rank_lost)
         if self.graphs is not None and self._task is None:
             started = time.perf_counter()
             count = await asyncio.to_thread(self._capture_graphs)
@@ -138,12 +152,25 @@ class ReferenceEngine(BatchingEngine):
         await super().close()  # settles any step launched ahead first
         if self.overlap is not None:
             self.overlap.close()
+        if self.followers is not None:
+            self.followers.close()
+            self.model.tp.close()
 
     async def _copy_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
+        return await asyncio.to_thread(self._copy_host_blocks, copies, sync)
+
+    def _copy_host_blocks(self, copies: BlockCopies, sync: bool) -> list[CopyTiming]:
         assert self.host_kv is not None
-        return await asyncio.to_thread(self.host_kv.copy, copies.offloads, copies.onboards, sync)
+        if self.model.mirror is not None:
+            self.model.mirror.copy_blocks(copies.offloads, copies.onboards, sync)
+        return self.host_kv.copy(copies.offloads, copies.onboards, sync)
 
     def _create_transfer(self) -> KvTransfer:
+        if self.model.tp.is_parallel:
+            raise InvalidRequest("disaggregation (--disaggregation-mode prefill or decode) with "
+                                 "--tensor-parallel-size above 1 is not built yet: serve "
+                                 "tensor-parallel workers aggregated",
+                                 param="tensor_parallel_size")
         # Imported here: aggregated workers never load NIXL.
         from tandem.kv.nixl_transfer import NixlTransfer
         if self.kv_cache.is_cuda:
@@ -341,47 +368,6 @@ def _dtype(name: str, checkpoint: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _num_blocks(args: EngineArgs, bytes_per_block: int, device: torch.device) -> int:
-    """KV pool size in blocks: --num-gpu-blocks-override, else the budget of the device's
-    memory (CUDA: free_gpu_memory_fraction of the free memory, and with gpu_memory_fraction
-    of what is left of this worker's share after what it holds already) or kv_cache_cpu_bytes.
-
-    Raises:
-        InvalidRequest: gpu_memory_fraction outside [0, 1], or a budget that holds no block.
-    """
-    # Checked here rather than in batching.validation.validate_args: only this engine reads it.
-    if not 0.0 <= args.gpu_memory_fraction <= 1.0:  # NaN too
-        raise InvalidRequest(f"gpu_memory_fraction must be within [0, 1] (0: the whole GPU), "
-                             f"got {args.gpu_memory_fraction}", param="gpu_memory_fraction")
-    if args.num_gpu_blocks:
-        return args.num_gpu_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free * args.free_gpu_memory_fraction)
-        if args.gpu_memory_fraction > 0:
-            # A GPU shared with other workers: this worker's share of the total, less what its
-            # allocator holds already (weights, buffers), whatever the others hold now; the
-            # free memory still caps it (another worker may be over its share). The CUDA
-            # context lies outside the allocator: 1 - free_gpu_memory_fraction covers it.
-            share = int(args.gpu_memory_fraction * total)
-            held = torch.cuda.memory_reserved(device)
-            budget = min(budget, int((share - held) * args.free_gpu_memory_fraction))
-            if budget < bytes_per_block:
-                raise InvalidRequest(
-                    f"--gpu-memory-fraction {args.gpu_memory_fraction} gives this worker "
-                    f"{share} bytes of the GPU's {total}, the weights and buffers took {held}, "
-                    f"and {free} bytes are free: that leaves no KV block of {bytes_per_block} "
-                    "bytes; raise --gpu-memory-fraction (and lower the other workers' on this "
-                    "GPU)", param="gpu_memory_fraction")
-    else:
-        budget = args.kv_cache_cpu_bytes
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise InvalidRequest(f"the KV cache budget ({budget} bytes) holds no block of "
-                             f"{bytes_per_block} bytes", param="num_gpu_blocks")
-    return blocks
-
-
 def create_reference_engine(
         args: EngineArgs) -> ReferenceEngine | ReferenceEncodeEngine | ReferenceEmbedEngine:
     validate_args(args)
@@ -396,24 +382,94 @@ def create_reference_engine(
             f"({config.max_position_embeddings})", param="max_seq_len")
     device = _device(args.device)
     dtype = _dtype(args.dtype, config.dtype, device)
+    _refuse_unbuilt_parallelism(args)
+    size = args.tensor_parallel_size
+    if size > 1 and (args.encode_only or args.embed_only):
+        raise InvalidRequest("--tensor-parallel-size above 1 serves language models; encode "
+                             "and embedding workers run on one device",
+                             param="tensor_parallel_size")
     if args.encode_only:  # an encode worker: the vision model alone, no language model
         return create_encode_engine(args, config, device, dtype)
     if args.embed_only:  # an embedding worker: pooled hidden states, no KV pool
         return create_embed_engine(args, config, device, dtype)
-    model, spec = load_model(args.model, dtype, device, args.load_format, args.seed)
+    if size == 1:
+        return _build_engine(args, config, device, dtype, TensorGroup(), None)
+    devices = _rank_devices(device, size)
+    followers, rendezvous = Followers.start(args, devices, str(dtype).removeprefix("torch."))
+    tp = TensorGroup()
+    try:
+        tp = init_group(0, size, rendezvous, torch.device(devices[0]))
+        return _build_engine(args, config, torch.device(devices[0]), dtype, tp, followers)
+    except BaseException:
+        followers.close()
+        tp.close()
+        raise
+
+
+def _refuse_unbuilt_parallelism(args: EngineArgs) -> None:
+    """The TensorRT-LLM parallelism flags this engine does not build (its MoE experts are
+    tensor-parallel: each rank holds every expert, cut in width)."""
+    unbuilt = {"pipeline_parallel_size": args.pipeline_parallel_size > 1,
+               "expert_parallel_size": args.expert_parallel_size > 1,
+               "enable_attention_dp": args.enable_attention_dp}
+    for name, is_set in unbuilt.items():
+        if is_set:
+            raise InvalidRequest(f"--{name.replace('_', '-')} is not built in the reference "
+                                 "engine (it shards models with --tensor-parallel-size; MoE "
+                                 "experts are then cut in width on every rank)", param=name)
+
+
+def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
+                  dtype: torch.dtype, tp: TensorGroup,
+                  followers: Followers | None) -> ReferenceEngine:
+    """Rank 0's engine: its shard of the model and of the KV pool; with `followers`, their
+    pools sized like its own (the smallest any rank's memory holds) and the model's mirror."""
+    model, spec = load_model(args.model, dtype, device, args.load_format, args.seed, tp)
     if spec.base_model:
         raise InvalidRequest(f"{args.model} is a base model ({config.architecture}: no "
                              "language-model head), fit for embeddings only: serve it on an "
                              "embedding worker (`tandem serve embed`)", param="model")
     encoder = create_image_encoder(args, device, dtype)
-    element = torch.tensor([], dtype=dtype).element_size()
-    bytes_per_block = (2 * spec.num_layers * args.kv_block_size * spec.num_kv_heads
-                       * spec.head_size * element)
-    num_blocks = _num_blocks(args, bytes_per_block, device)
+    if encoder is not None and tp.is_parallel:
+        raise InvalidRequest("--tensor-parallel-size above 1 with a vision-language model is "
+                             "not built yet", param="tensor_parallel_size")
+    bytes_per_block = kv_block_bytes(spec, args.kv_block_size, dtype)
+    num_blocks = num_kv_blocks(args, bytes_per_block, device)
+    if followers is not None:
+        num_blocks = min(num_blocks, *followers.ready_blocks())
     # One block more than the pool: scratch space for CUDA-graph padding rows.
     kv_cache = allocate_kv_cache(spec.num_layers, num_blocks + 1, args.kv_block_size,
                                  spec.num_kv_heads, spec.head_size, dtype, device)
     log.info("reference engine ready", extra={
         "device": str(device), "dtype": str(dtype), "kv_blocks": num_blocks,
-        "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture})
-    return ReferenceEngine(args, config, model, kv_cache, device, encoder)
+        "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture,
+        "tensor_parallel_size": tp.size})
+    engine = ReferenceEngine(args, config, model, kv_cache, device, encoder, followers)
+    if followers is not None:
+        host = engine.pool.host
+        followers.allocate(num_blocks, host.total if host is not None else 0)
+        model.mirror = Mirror(followers.conns, tp)
+    return engine
+
+
+def _rank_devices(device: torch.device, size: int) -> list[str]:
+    """The device of each rank: the CPU for all, or `size` GPUs from `device` on (the worker's
+    GPUs: CUDA_VISIBLE_DEVICES, set by `tandem up`'s placement)."""
+    if device.type != "cuda":
+        return [str(device)] * size
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise InvalidRequest(f"--tensor-parallel-size {size} needs {size} GPUs from "
+                             f"cuda:{first} on; this worker sees {count} (give it more with "
+                             "--decode-gpus/--prefill-gpus, e.g. \"0,1\", or "
+                             "CUDA_VISIBLE_DEVICES)", param="tensor_parallel_size")
+    return [f"cuda:{first + rank}" for rank in range(size)]
+
+
+def _rank_lost(rank: int, exit_code: int | None) -> None:
+    """A follower died: the worker exits at once (ranks.py says why)."""
+    log.critical("tensor-parallel rank %d exited (code %s): the worker exits, its requests "
+                 "migrate", rank, exit_code)
+    logging.shutdown()
+    os._exit(_EXIT_RANK_LOST)

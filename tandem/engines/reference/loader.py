@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.parallel import shard
+from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.spec import ModelSpec
 from tandem.engines.reference.vision import LlavaVision, VisionSpec
 from tandem.errors import InvalidRequest
@@ -51,8 +53,10 @@ class Target(NamedTuple):
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> tuple[DecoderModel, ModelSpec]:
-    """Build the model described by `model_dir/config.json` on `device`, in eval mode, no grad.
+               load_format: str = "auto", seed: int = 0,
+               tp: TensorGroup | None = None) -> tuple[DecoderModel, ModelSpec]:
+    """Build the model described by `model_dir/config.json` on `device`, in eval mode, no grad;
+    with `tp` of more than one rank, this rank's shard (parallel.shard).
 
     Args:
         dtype: parameter dtype; None means the config's torch_dtype.
@@ -62,9 +66,11 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
     Returns:
         (model, spec); spec.dtype is the dtype actually used, and spec.tie_word_embeddings is
         True when the checkpoint has no lm_head (the embedding is then reused, as HF does).
+        Under tensor parallelism spec is this rank's shape (shard.local_spec).
     Raises:
-        InvalidRequest: unsupported model/dtype/load_format, no weight files, or checkpoint
-            tensors that are missing, unexpected or of the wrong shape (named in the message).
+        InvalidRequest: unsupported model/dtype/load_format, no weight files, checkpoint
+            tensors that are missing, unexpected or of the wrong shape (named in the message),
+            or a model that `tp`'s rank count does not divide.
     """
     if load_format not in LOAD_FORMATS:
         raise InvalidRequest(f"unsupported load_format {load_format!r}; supported: "
@@ -89,8 +95,13 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
             logger.info("%s has no lm_head.weight: tying it to the input embedding", root)
             spec = dataclasses.replace(spec, tie_word_embeddings=True)
 
+    tp = tp or TensorGroup()
+    shard.check(spec, tp.size)
+    shards = shard.Shards(spec, tp.rank, tp.size)
+    whole = spec
+    spec = shard.local_spec(spec, tp.size)
     with torch.device("meta"):
-        model = DecoderModel(spec)
+        model = DecoderModel(spec, tp, whole.vocab_size)
     model = model.to(dtype).to_empty(device=device)
     model.rotary_emb.reset_cache()  # the table is computed, never loaded
     model.eval().requires_grad_(False)
@@ -107,7 +118,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         if spec.moe_kind == "gpt_oss":
             _refuse_mxfp4(names)
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
-                         spec.architecture)
+                         spec.architecture, shards.cut)
     return model, spec
 
 
@@ -287,7 +298,8 @@ def _expert_targets(name: str, hf_name: str, shape: torch.Size) -> dict[str, Tar
 def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                      files: dict[pathlib.Path, list[str]], device: torch.device,
                      rename: Callable[[str], str | None], ignored: set[str],
-                     what: str) -> None:
+                     what: str,
+                     cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters.
 
     Args:
@@ -295,6 +307,8 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
         rename: checkpoint name -> canonical name, None for tensors of another module.
         ignored: canonical names present in some checkpoints and not needed (skipped).
         what: the model named in errors.
+        cut: (canonical name, tensor) -> the part this module holds (a tensor-parallel
+            rank's shard); None: whole tensors.
     """
     from safetensors import safe_open
 
@@ -319,6 +333,8 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if target is None:
                     continue
                 tensor = f.get_tensor(name)
+                if cut is not None:
+                    tensor = cut(canonical[name] or "", tensor)
                 param: torch.Tensor = params[target.name]
                 if target.expert is not None:
                     param = param[target.expert]

@@ -8,7 +8,7 @@ except the fused `qkv_proj` and `gate_up_proj` and the stacked experts (see load
 """
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,12 @@ from tandem.engines.reference.attention import Attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.layers import GatedMLP, RMSNorm
 from tandem.engines.reference.moe import GptOssMoeBlock, SparseMoeBlock
+from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.rope import RotaryEmbedding
 from tandem.engines.reference.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from tandem.engines.reference.parallel.mirror import Mirror
 
 
 def _pow2_at_least_16(n: int) -> bool:
@@ -29,10 +33,13 @@ def _pow2_at_least_16(n: int) -> bool:
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or, where
-    `sparse`, a mixture of experts."""
+    `sparse`, a mixture of experts. Under tensor parallelism the attention's and the MLP's
+    outputs are each rank's partial sums, added up by one all-reduce each (`tp`)."""
 
-    def __init__(self, spec: ModelSpec, sliding_window: int | None, sparse: bool) -> None:
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, sparse: bool,
+                 tp: TensorGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, sliding_window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -40,8 +47,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        tp = self.tp
+        x = x + tp.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer))
+        return x + tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def finish_fused(self, attn: torch.Tensor, residual: torch.Tensor,
                      next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +58,9 @@ class DecoderLayer(nn.Module):
         gpt-oss's experts through moe_kernels at decode-sized batches), and its residual add
         into `next_norm` (the next layer's input norm, or the final norm). Returns that norm's
         output and the residual stream."""
-        post = self.post_attention_layernorm
-        normed, residual = kernels.add_rms_norm(attn, post.weight, post.eps, residual)
+        post, tp = self.post_attention_layernorm, self.tp
+        normed, residual = kernels.add_rms_norm(tp.all_reduce(attn), post.weight, post.eps,
+                                                residual)
         mlp = self.mlp
         if isinstance(mlp, GatedMLP):
             out = kernels.swiglu_linear(kernels.linear(normed, mlp.gate_up_proj), mlp.down_proj)
@@ -59,6 +68,8 @@ class DecoderLayer(nn.Module):
             out = mlp.forward_slots(normed)  # [T, K, H]: add_rms_norm sums the slots
         else:  # the experts run through torch (moe.run_experts, grouped_mm)
             out = mlp(normed)
+        if tp.is_parallel:  # the slots' sum first: one all-reduce of [T, H]
+            out = tp.all_reduce(out.sum(dim=1) if out.dim() == 3 else out)
         return kernels.add_rms_norm(out, next_norm.weight, next_norm.eps, residual)
 
 
@@ -78,14 +89,25 @@ class DecoderModel(nn.Module):
 
     `forward` runs the new tokens of one engine step; `compute_logits` projects only the rows the
     caller samples from (usually each sequence's last token), which keeps prefill cheap.
+
+    Under tensor parallelism (`tp` of more than one rank) `spec` is this rank's shard
+    (parallel.shard.local_spec) and `vocab_size` the whole vocabulary; every rank runs the
+    same forward on its shard. Rank 0's `mirror` (set by the engine) sends each forward and
+    each logits call to the other ranks before running its own.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorGroup | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp or TensorGroup()
+        #: The whole vocabulary (the embedding holds spec.vocab_size rows of it on this rank).
+        self.vocab_size = vocab_size or spec.vocab_size
+        #: Rank 0 of a tensor-parallel model: what makes the other ranks follow its calls.
+        self.mirror: Mirror | None = None
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         sparse = spec.sparse_layers or (False,) * spec.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(spec, window, is_sparse)
+        self.layers = nn.ModuleList(DecoderLayer(spec, window, is_sparse, self.tp)
                                     for window, is_sparse in zip(spec.sliding_windows, sparse,
                                                                  strict=True))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -110,7 +132,9 @@ class DecoderModel(nn.Module):
             input_embeds: optional (rows [M] int64, values [M, hidden]): embeddings that replace
                 the token embeddings of those rows (image features at their placeholders).
         """
-        hidden = self.embed_tokens(input_ids)
+        if self.mirror is not None:
+            self.mirror.forward(input_ids, positions, meta)
+        hidden = self.embed(input_ids)
         if input_embeds is not None:
             rows, values = input_embeds
             hidden.index_copy_(0, rows, values.to(hidden.dtype))
@@ -120,6 +144,18 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[index])
         return self.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden]; vocabulary-parallel, each rank looks up the ids in its
+        range and the all-reduce adds the one non-zero row of each token."""
+        tp = self.tp
+        if not tp.is_parallel:
+            return self.embed_tokens(input_ids)
+        rows = self.spec.vocab_size
+        local = input_ids - tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        out = self.embed_tokens(local.masked_fill(outside, 0))
+        return tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def fusable(self, hidden: torch.Tensor, block_size: int) -> bool:
         """Whether the Triton kernels (tandem.engines.reference.kernels) serve steps over
@@ -162,11 +198,15 @@ class DecoderModel(nn.Module):
         """Logits [N, vocab] in float32 for hidden states [N, hidden] from `forward`.
 
         The matmul runs in the model dtype, as in transformers; only the result is upcast, so
-        that sampling (softmax, penalties, logprobs) works in float32.
+        that sampling (softmax, penalties, logprobs) works in float32. Vocabulary-parallel:
+        each rank projects onto its rows, and the shards are gathered in rank order.
         """
+        if self.mirror is not None:
+            self.mirror.logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         rows = hidden.shape[0]
         if kernels.available(hidden) and hidden.is_contiguous() and rows <= kernels.SKINNY_MAX_ROWS:
             out = kernels.gemv(hidden, weight) if rows == 1 else kernels.skinny_gemm(hidden, weight)
-            return out.float()
-        return F.linear(hidden, weight).float()
+        else:
+            out = F.linear(hidden, weight)
+        return self.tp.gather_columns(out.float(), self.vocab_size)

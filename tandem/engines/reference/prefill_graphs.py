@@ -112,7 +112,7 @@ class PrefillGraphs:
         model, layers, n = self.model, self.layers, num_tokens
         if index == 0:
             first = layers[0].input_layernorm
-            normed, residual = kernels.add_rms_norm(model.embed_tokens(self.rows[0, :n]),
+            normed, residual = kernels.add_rms_norm(model.embed(self.rows[0, :n]),
                                                     first.weight, first.eps)
         else:
             layer = layers[index - 1]
