@@ -1,0 +1,145 @@
+"""How many workers a pool needs for a load: the load per second divided by what one worker
+carries within the pool's target, read from its profile as corrected by the live pool.
+
+- Prefill: prompt tokens per second (rate x mean ISL) / the tokens per second one worker takes
+  within the TTFT target at that ISL.
+- Decode: concurrent streams / the streams one worker decodes within the ITL target at the mean
+  context length (ISL + OSL / 2: a stream holds its prompt and, on average over its life, half
+  its output). The streams come from Little's law, L = lambda x W: requests arrive at lambda =
+  rate, and each decodes for W = OSL x ITL. With W taken at the ITL target, L is the most
+  streams the load can keep in flight while the pool meets its target (a faster pool finishes
+  them sooner and holds fewer).
+- Aggregated: one worker does both, so its two shares add (a worker at 60% of its prefill
+  capacity has 40% of its time left to decode). Linear, and so conservative where the engine
+  overlaps prefill with decode.
+
+The result is fractional; tandem.planner.decision rounds it up and applies bounds, hysteresis
+and the GPU budget.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from tandem.errors import InvalidRequest
+from tandem.planner.config import PlannerPoolConfig
+from tandem.planner.predictor import Load
+from tandem.planner.profile import Correction, WorkerProfile
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """A pool's capacity model: its workers' profile and how far the live pool is from it."""
+
+    profile: WorkerProfile
+    #: Live TTFT against the profile's.
+    prefill: Correction = Correction()
+    #: Live ITL against the profile's.
+    decode: Correction = Correction()
+
+    def prefill_capacity(self, isl: float, ttft_target_ms: float) -> float:
+        """Prompt tokens per second one worker takes at `isl` within the target, corrected."""
+        return self.profile.max_prefill_tokens_per_s(isl, self.prefill.target(ttft_target_ms))
+
+    def decode_capacity(self, context_length: float, itl_target_ms: float) -> float:
+        """Streams one worker decodes at `context_length` within the target, corrected."""
+        return self.profile.max_decode_streams(context_length, self.decode.target(itl_target_ms))
+
+    def refined_prefill(self, isl: float, tokens_per_s_per_worker: float,
+                        observed_ttft_ms: float, alpha: float) -> PoolModel:
+        """This model with its prefill correction updated by one interval: the p90 TTFT seen
+        while each worker took `tokens_per_s_per_worker`. Unchanged where the profile cannot
+        predict that load (past its heaviest point) or nothing was observed."""
+        predicted = self.profile.ttft_ms(isl, tokens_per_s_per_worker)
+        if predicted is None:
+            return self
+        return replace(self, prefill=self.prefill.updated(observed_ttft_ms, predicted, alpha))
+
+    def refined_decode(self, context_length: float, streams_per_worker: float,
+                       observed_itl_ms: float, alpha: float) -> PoolModel:
+        """As refined_prefill, for the p90 ITL seen at `streams_per_worker`."""
+        predicted = self.profile.itl_ms(context_length, streams_per_worker)
+        if predicted is None:
+            return self
+        return replace(self, decode=self.decode.updated(observed_itl_ms, predicted, alpha))
+
+
+@dataclass(frozen=True)
+class Demand:
+    #: Workers the load needs, fractional; inf when the profile misses the target even at its
+    #: lightest load and there is load.
+    workers: float
+    #: How it was computed, for the decision log.
+    reason: str
+
+
+def check_model(pool: PlannerPoolConfig, model: PoolModel) -> None:
+    """Raises InvalidRequest when the profile cannot size the pool: measured on another number
+    of GPUs per worker, or missing the curve the pool's role needs."""
+    profile = model.profile
+    if profile.gpus_per_worker != pool.gpus_per_worker:
+        raise InvalidRequest(f"planner pool '{pool.name}': its profile was measured on workers "
+                             f"of {profile.gpus_per_worker} GPUs, the pool's have "
+                             f"{pool.gpus_per_worker}", param=f"{pool.name}.profile")
+    for needed, points, phase in ((pool.uses_prefill, profile.prefill, "prefill"),
+                                  (pool.uses_decode, profile.decode, "decode")):
+        if needed and not points:
+            raise InvalidRequest(f"planner pool '{pool.name}' ({pool.role}) needs {phase} "
+                                 "points in its profile", param=f"{pool.name}.profile")
+
+
+def decode_context_length(load: Load) -> float:
+    """Mean tokens a stream holds over its life: ISL + OSL / 2."""
+    return load.mean_isl + load.mean_osl / 2
+
+
+def concurrent_streams(load: Load, itl_ms: float) -> float:
+    """Little's law: streams in flight = arrival rate x time each decodes (OSL x ITL)."""
+    return load.request_rate * load.mean_osl * itl_ms / 1000
+
+
+def pool_demand(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> Demand:
+    """The workers `pool` needs for `load` (see the module docstring)."""
+    shares: list[tuple[float, str]] = []
+    if pool.uses_prefill:
+        shares.append(_prefill_share(pool, model, load))
+    if pool.uses_decode:
+        shares.append(_decode_share(pool, model, load))
+    return Demand(sum(workers for workers, _ in shares), "; ".join(text for _, text in shares))
+
+
+def _prefill_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
+    demand = load.prompt_tokens_per_s
+    capacity = model.prefill_capacity(load.mean_isl, pool.ttft_target_ms)
+    what = (f"{_num(demand)} prompt tok/s at ISL {load.mean_isl:.0f} over {_num(capacity)} tok/s "
+            f"per worker within TTFT {pool.ttft_target_ms:g} ms{_corrected(model.prefill)}")
+    return _share(demand, capacity, what)
+
+
+def _decode_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
+    demand = concurrent_streams(load, pool.itl_target_ms)
+    context = decode_context_length(load)
+    capacity = model.decode_capacity(context, pool.itl_target_ms)
+    what = (f"{_num(demand)} streams ({_num(load.request_rate)} req/s x OSL "
+            f"{load.mean_osl:.0f} x ITL {pool.itl_target_ms:g} ms) at context {context:.0f} "
+            f"over {_num(capacity)} streams per worker within ITL {pool.itl_target_ms:g} ms"
+            f"{_corrected(model.decode)}")
+    return _share(demand, capacity, what)
+
+
+def _share(demand: float, capacity: float, what: str) -> tuple[float, str]:
+    if demand <= 0:
+        return 0.0, f"{what} = 0 workers"
+    if capacity <= 0:
+        return math.inf, f"{what}: the target is out of the profile's reach"
+    workers = demand / capacity
+    return workers, f"{what} = {workers:.3g} workers"
+
+
+def _num(x: float) -> str:
+    """Whole numbers from 100 up, three significant digits below."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _corrected(correction: Correction) -> str:
+    return "" if correction.factor == 1 else f" (live x{correction.factor:.2f} the profile)"
