@@ -108,15 +108,22 @@ class KvLayout:
     num_kv_heads: int
     head_size: int
     block_size: int
+    #: Ranks the KV heads are split over (each holds num_kv_heads of them).
+    tensor_parallel_size: int = 1
 
     def mismatch(self, other: KvLayout) -> str | None:
         """A message naming every field that differs from `other`, or None when compatible."""
         diffs = [
             f"{name} {getattr(other, name)} != {getattr(self, name)}"
-            for name in ("dtype", "num_layers", "num_kv_heads", "head_size", "block_size")
+            for name in ("tensor_parallel_size", "dtype", "num_layers", "num_kv_heads",
+                         "head_size", "block_size")
             if getattr(self, name) != getattr(other, name)
         ]
-        return "KV layout mismatch (handle vs worker): " + ", ".join(diffs) if diffs else None
+        if not diffs:
+            return None
+        hint = (" (both sides need the same --tensor-parallel-size)"
+                if self.tensor_parallel_size != other.tensor_parallel_size else "")
+        return "KV layout mismatch (handle vs worker): " + ", ".join(diffs) + hint
 
     @property
     def block_bytes(self) -> int:
@@ -147,6 +154,15 @@ class TrtllmParams:
 
 
 @dataclass(frozen=True, slots=True)
+class RankSource:
+    """One tensor-parallel rank's shard of a prefilled prompt's KV (KvRankSource)."""
+
+    nixl_agent_name: str
+    nixl_agent_metadata: bytes
+    descriptors: tuple[MemoryDescriptor, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class KvHandle:
     """Where a prefilled prompt's KV lives (see KvHandle in common.proto)."""
 
@@ -165,6 +181,8 @@ class KvHandle:
     lease_expiry_unix_ms: int = 0
     #: Present when backend == "trtllm".
     trtllm_params: TrtllmParams | None = None
+    #: A tensor-parallel prefill worker's ranks past the first (the fields above: rank 0's).
+    ranks: tuple[RankSource, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

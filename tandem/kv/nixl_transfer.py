@@ -356,6 +356,10 @@ class NixlTransfer(KvTransfer):
         if len(local_block_ids) != num_blocks:
             raise TransferError(f"the handle lists {num_blocks} blocks, "
                                 f"{len(local_block_ids)} were allocated for them")
+        if handle.ranks:
+            raise TransferError(f"the prefill worker's KV comes in {len(handle.ranks) + 1} "
+                                "tensor-parallel shards, this worker holds one: both sides "
+                                "need the same --tensor-parallel-size")
         if num_blocks == 0:
             return 0
         self._check_local(local_block_ids)

@@ -35,6 +35,8 @@ class TransferSource:
     copied: bool = False
     #: The transfer's own record of the copy (None: the descriptors point into the pool).
     slot: object = None
+    #: A tensor-parallel worker's ranks past the first: each rank's shard, described alike.
+    ranks: tuple[TransferSource, ...] = ()
 
 
 class KvTransfer(ABC):

@@ -137,13 +137,15 @@ def usage_from_pb(msg: pb.Usage) -> t.Usage:
 
 
 def layout_from_pb(msg: pb.KvLayout) -> t.KvLayout:
-    return t.KvLayout(msg.dtype, msg.num_layers, msg.num_kv_heads, msg.head_size, msg.block_size)
+    return t.KvLayout(msg.dtype, msg.num_layers, msg.num_kv_heads, msg.head_size, msg.block_size,
+                      max(msg.tensor_parallel_size, 1))
 
 
 def layout_to_pb(layout: t.KvLayout) -> pb.KvLayout:
     return pb.KvLayout(dtype=layout.dtype, num_layers=layout.num_layers,
                        num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
-                       block_size=layout.block_size)
+                       block_size=layout.block_size,
+                       tensor_parallel_size=layout.tensor_parallel_size)
 
 
 def kv_handle_from_pb(msg: pb.KvHandle) -> t.KvHandle:
@@ -161,10 +163,20 @@ def kv_handle_from_pb(msg: pb.KvHandle) -> t.KvHandle:
         layout=layout_from_pb(msg.layout), num_tokens=msg.num_tokens,
         block_ids=tuple(msg.block_ids), block_hashes=tuple(msg.block_hashes),
         nixl_agent_name=msg.nixl_agent_name, nixl_agent_metadata=msg.nixl_agent_metadata,
-        descriptors=tuple(t.MemoryDescriptor(d.address, d.length, d.device_id)
-                          for d in msg.descriptors),
+        descriptors=_descriptors_from_pb(msg.descriptors),
         nixl_memory_type=msg.nixl_memory_type, lease_expiry_unix_ms=msg.lease_expiry_unix_ms,
-        trtllm_params=trtllm)
+        trtllm_params=trtllm,
+        ranks=tuple(t.RankSource(r.nixl_agent_name, r.nixl_agent_metadata,
+                                 _descriptors_from_pb(r.descriptors)) for r in msg.ranks))
+
+
+def _descriptors_from_pb(msgs: Sequence[pb.MemoryDescriptor]) -> tuple[t.MemoryDescriptor, ...]:
+    return tuple(t.MemoryDescriptor(d.address, d.length, d.device_id) for d in msgs)
+
+
+def _descriptors_to_pb(descriptors: Sequence[t.MemoryDescriptor]) -> list[pb.MemoryDescriptor]:
+    return [pb.MemoryDescriptor(address=d.address, length=d.length, device_id=d.device_id)
+            for d in descriptors]
 
 
 def embedding_from_pb(msg: pb.MultimodalEmbedding) -> t.Embedding:
@@ -264,10 +276,13 @@ def kv_handle_to_pb(handle: t.KvHandle) -> pb.KvHandle:
         layout=layout_to_pb(handle.layout), num_tokens=handle.num_tokens,
         block_ids=handle.block_ids, block_hashes=handle.block_hashes,
         nixl_agent_name=handle.nixl_agent_name, nixl_agent_metadata=handle.nixl_agent_metadata,
-        descriptors=[pb.MemoryDescriptor(address=d.address, length=d.length,
-                                         device_id=d.device_id) for d in handle.descriptors],
+        descriptors=_descriptors_to_pb(handle.descriptors),
         nixl_memory_type=handle.nixl_memory_type,
-        lease_expiry_unix_ms=handle.lease_expiry_unix_ms)
+        lease_expiry_unix_ms=handle.lease_expiry_unix_ms,
+        ranks=[pb.KvRankSource(nixl_agent_name=r.nixl_agent_name,
+                               nixl_agent_metadata=r.nixl_agent_metadata,
+                               descriptors=_descriptors_to_pb(r.descriptors))
+               for r in handle.ranks])
     if handle.trtllm_params is not None:
         p = handle.trtllm_params
         params = pb.TrtllmDisaggParams(opaque_state=p.opaque_state,

@@ -26,8 +26,8 @@ from typing import Any
 
 #: Sections of --help, in the order they are shown.
 GROUPS = ("general", "network", "model and engine", "batching and scheduling", "KV cache",
-          "routing", "disaggregation", "multimodal", "reliability", "security", "observability",
-          "mock engine", "TensorRT-LLM engine", "testing")
+          "parallelism", "routing", "disaggregation", "multimodal", "reliability", "security",
+          "observability", "mock engine", "TensorRT-LLM engine", "testing")
 
 _HEADING = re.compile(r"^\s*#\s*==\s*(?P<name>[^=]+?)\s*==\s*$")
 _DOC = re.compile(r"^\s*#:\s?(?P<text>.*)$")

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
-from tests.e2e.disagg_probe import child_pid
+from tests.e2e.disagg_probe import child_pid, generate, prefill, stats, wait_idle
 from tests.e2e.test_migration import MAX_TOKENS, Stream, _run_stream, _wait_until, client, prompt
+from tests.e2e.test_reference_engine import Reference
 from tests.e2e.test_supervision import services, status, wait_until
-from tests.e2e.topology import Topology, start_topology
+from tests.e2e.topology import Topology, start_topology, start_worker
 
 NUM_STREAMS = 8
 
@@ -105,3 +109,80 @@ def _new_rank(topo: Topology, worker: str) -> int | None:
         return rank_pid(child_pid(topo.process.pid, int(worker.rsplit(":", 1)[1])))
     except (LookupError, FileNotFoundError):
         return None
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: pathlib.Path) -> Reference:
+    return Reference(model_dir)
+
+
+def test_disaggregated_two_ranks_to_two_ranks_equal_transformers(
+        model_dir: pathlib.Path, reference: Reference) -> None:
+    topo = start_topology("--engine", "reference", "--model", str(model_dir), "--device", "cpu",
+                          "--kv-block-size", "16", "--num-gpu-blocks-override", "256",
+                          "--tensor-parallel-size", "2", num_prefill=1)
+    try:
+        (decode,), (pre,) = topo.decode_addresses, topo.prefill_addresses
+        # Directly over gRPC first: the handle carries rank 1's shard beside rank 0's.
+        ids = list(range(100, 149))  # 3 full blocks and 1 token
+        answer = prefill(pre, "tp-direct", ids)
+        assert len(answer.kv_handle.ranks) == 1 and answer.kv_handle.ranks[0].nixl_agent_name
+        assert answer.kv_handle.ranks[0].nixl_agent_name != answer.kv_handle.nixl_agent_name
+        tokens, _ = generate(decode, "tp-direct", ids, 8, answer)
+        assert tokens == reference.greedy(ids, 8)[0]
+        # Through the frontend: every prompt disaggregated, both shards read.
+        rng = random.Random(7)
+        batch = [[rng.randrange(4, reference.tokenizer.vocab_size) for _ in range(n)]
+                 for n in (1, 16, 17, 45, 90)]
+        before = stats(decode)
+        api = client(topo)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            answers = list(pool.map(lambda p: api.completions.create(
+                model=topo.model, prompt=p, max_tokens=8, temperature=0), batch))
+        after = stats(decode)
+        assert after.kv_transfers_ok - before.kv_transfers_ok == len(batch)
+        blocks = sum(-(-len(p) // 16) for p in batch)
+        # float32, 2 layers, 16 tokens, 2 KV heads of 16 over both ranks, K and V.
+        assert after.kv_bytes_received - before.kv_bytes_received == blocks * 2 * 2 * 16 * 2 * 16 * 4
+        for p, got in zip(batch, answers, strict=True):
+            assert got.choices[0].text == reference.text(reference.greedy(p, 8)[0])
+        wait_idle(decode, pre)
+    finally:
+        assert topo.stop() == 0
+
+
+def test_a_dead_prefill_worker_or_another_rank_count_fails_the_read_cleanly(
+        model_dir: pathlib.Path, reference: Reference) -> None:
+    flags = ("--model", str(model_dir), "--device", "cpu", "--kv-block-size", "16",
+             "--num-gpu-blocks-override", "256")
+    procs = []
+    try:
+        two, pre_two = start_worker(*flags, "--tensor-parallel-size", "2", engine="reference",
+                                    stage="prefill")
+        procs.append(two)
+        one, pre_one = start_worker(*flags, engine="reference", stage="prefill")
+        procs.append(one)
+        decode_proc, decode = start_worker(*flags, "--tensor-parallel-size", "2",
+                                           "--kv-load-failure-policy", "fail",
+                                           engine="reference")
+        procs.append(decode_proc)
+        ids = list(range(300, 340))
+        # A handle of one rank into a worker of two: refused, saying why.
+        with pytest.raises(grpc.RpcError) as err:
+            generate(decode, "one-rank", ids, 8, prefill(pre_one, "one-rank", ids))
+        assert "--tensor-parallel-size" in err.value.details()
+        # Both prefill ranks die after answering (rank 1 with its parent): every decode rank's
+        # read fails and ends, and the pool is whole again.
+        answer = prefill(pre_two, "orphan", ids)
+        os.kill(two.pid, signal.SIGKILL)
+        two.wait(10)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(decode, "orphan", ids, 8, answer)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "KV" in err.value.details()
+        wait_idle(decode)
+        assert generate(decode, "after", ids, 8)[0] == reference.greedy(ids, 8)[0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(30)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engines.types import KvHandle, KvLayout, MemoryDescriptor
+from tandem.engines.types import KvHandle, KvLayout, MemoryDescriptor, RankSource
 from tandem.kv.nixl_transfer import NixlTransfer, coalesce
 from tandem.kv.transfer import TransferError, TransferSource
 
@@ -237,6 +237,15 @@ async def test_bad_local_block_ids_are_refused(prefill: Prefill, decode: NixlTra
     source, _ = prefill.source([2, 3])
     with pytest.raises(TransferError):
         await decode.read(handle_for(source, [2, 3]), local_ids, timeout_s=30)
+    assert_only_blocks_written(decode.kv_cache, {})
+
+
+async def test_a_tensor_parallel_handle_is_refused_by_one_rank(prefill: Prefill,
+                                                                decode: NixlTransfer) -> None:
+    source, _ = prefill.source([2, 3])
+    shard = RankSource(source.agent_name, source.agent_metadata, source.descriptors)
+    with pytest.raises(TransferError, match="same --tensor-parallel-size"):
+        await decode.read(handle_for(source, [2, 3], ranks=(shard,)), [0, 1], timeout_s=30)
     assert_only_blocks_written(decode.kv_cache, {})
 
 

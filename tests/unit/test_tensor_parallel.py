@@ -2,7 +2,8 @@
 rank): greedy tokens equal transformers' `generate` and the one-rank engine's for dense and MoE
 families, also through chunked prefill, prefix-cache hits, preemption and the host KV tier;
 each rank holds its shard (its heads, its KV heads, a replicated KV head when there are fewer KV
-heads than ranks); a model the rank count does not divide is refused with no rank left behind."""
+heads than ranks); a model the rank count does not divide is refused with no rank left behind,
+and so is a KV handle from a worker of another rank count."""
 from __future__ import annotations
 
 import multiprocessing
@@ -12,7 +13,12 @@ import pytest
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.reference.engine import ReferenceEngine, create_reference_engine
+from tandem.engines.reference.parallel.group import TensorGroup
+from tandem.engines.reference.parallel.mirror import Mirror
+from tandem.engines.reference.parallel.transfer import RankedTransfer
+from tandem.engines.types import KvHandle, KvLayout
 from tandem.errors import InvalidRequest
+from tandem.kv.transfer import SimulatedTransfer, TransferError
 from tandem.model.tiny import write_tiny_model
 from tests.unit.test_reference_engine import hf_greedy, prompts, run
 from tests.unit.test_reference_host_tier import HOST_BYTES, check_all_free, drain, step_until_idle
@@ -132,14 +138,16 @@ def test_a_rank_count_that_does_not_divide_the_model_is_refused(
     assert not multiprocessing.active_children()
 
 
-async def test_disaggregation_at_two_ranks_is_refused_clearly(
-        model_dirs: dict[str, pathlib.Path]) -> None:
-    engine = engine_for(model_dirs["llama"], 2)
-    try:
-        with pytest.raises(InvalidRequest, match="tensor-parallel"):
-            engine.prepare_kv_transfer()
-    finally:
-        await engine.close()
+async def test_a_handle_of_another_rank_count_is_refused_before_any_read() -> None:
+    ours, theirs = multiprocessing.Pipe()
+    own = SimulatedTransfer(block_bytes=64, gbps=0)
+    transfer = RankedTransfer(own, Mirror([ours], TensorGroup()))
+    handle = KvHandle("p", "127.0.0.1:1", "r", "nixl", KvLayout("float32", 2, 1, 16, 8), 8,
+                      block_ids=(0,))  # from a prefill worker of one rank
+    with pytest.raises(TransferError, match="2 tensor-parallel shard|holds 2"):
+        await transfer.read(handle, [3], timeout_s=5)
+    assert not theirs.poll()  # no follower was asked to read
+    transfer.close()
 
 
 @pytest.mark.parametrize("flag", [{"pipeline_parallel_size": 2}, {"expert_parallel_size": 2},

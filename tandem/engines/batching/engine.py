@@ -52,6 +52,7 @@ from tandem.engines.types import (
     KvHandle,
     KvLayout,
     PrefillResult,
+    RankSource,
     TokenLogprob,
     Usage,
 )
@@ -301,7 +302,9 @@ class BatchingEngine(Engine):
             block_ids=block_ids, block_hashes=hashes,
             nixl_agent_name=source.agent_name, nixl_agent_metadata=source.agent_metadata,
             descriptors=source.descriptors, nixl_memory_type=source.memory_type,
-            lease_expiry_unix_ms=expiry)
+            lease_expiry_unix_ms=expiry,
+            ranks=tuple(RankSource(rank.agent_name, rank.agent_metadata, rank.descriptors)
+                        for rank in source.ranks))
         req.stream.finish(FinishReason.LENGTH, self._usage(req))
 
     # ---- ending requests --------------------------------------------------------------------

@@ -46,9 +46,11 @@ from tandem.engines.reference.overlap import OverlapSteps
 from tandem.engines.reference.parallel.group import TensorGroup, init_group
 from tandem.engines.reference.parallel.mirror import Mirror
 from tandem.engines.reference.parallel.ranks import Followers
+from tandem.engines.reference.parallel.transfer import RankedTransfer
 from tandem.engines.reference.prefill_graphs import PrefillGraphs
 from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logprobs
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
+from tandem.engines.reference.transfer import create_nixl_transfer
 from tandem.engines.reference.warmup import warm_eager_steps
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
@@ -76,7 +78,7 @@ class ReferenceEngine(BatchingEngine):
         max_model_len = args.max_seq_len or config.max_position_embeddings
         # The KV tensor's last block is scratch space for CUDA-graph padding, not pooled.
         super().__init__(
-            args, KvLayout(dtype, num_layers, num_kv_heads, head_size, block_size),
+            args, KvLayout(dtype, num_layers, num_kv_heads, head_size, block_size, model.tp.size),
             max_model_len, config.vocab_size, frozenset(config.eos_token_ids), num_blocks - 1)
         self.model = model
         self.kv_cache = kv_cache
@@ -166,21 +168,13 @@ class ReferenceEngine(BatchingEngine):
         return self.host_kv.copy(copies.offloads, copies.onboards, sync)
 
     def _create_transfer(self) -> KvTransfer:
-        if self.model.tp.is_parallel:
-            raise InvalidRequest("disaggregation (--disaggregation-mode prefill or decode) with "
-                                 "--tensor-parallel-size above 1 is not built yet: serve "
-                                 "tensor-parallel workers aggregated",
-                                 param="tensor_parallel_size")
-        # Imported here: aggregated workers never load NIXL.
-        from tandem.kv.nixl_transfer import NixlTransfer
-        if self.kv_cache.is_cuda:
-            # UCX turns cuda_ipc GETs off when it finds no NVLink (one GPU, PCIe-only hosts)
-            # and then emulates NIXL READs over TCP at ~0.6 GB/s; with them on, a READ between
-            # two processes on one H200 runs at 155 GB/s for a 1 GiB prompt (RESULTS.md).
-            # Read by UCX when the agent is made; a value the operator set wins.
-            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-        return NixlTransfer(self.kv_cache, "tandem-reference",
-                            buffer_blocks=transfer_buffer_blocks(self.args, self.pool.total))
+        buffer_blocks = transfer_buffer_blocks(self.args, self.pool.total)
+        own = create_nixl_transfer(self.kv_cache, "tandem-reference", buffer_blocks)
+        mirror = self.model.mirror
+        if mirror is None:
+            return own
+        mirror.send(("transfer", buffer_blocks))  # each follower over its shard
+        return RankedTransfer(own, mirror)
 
     def _request_key(self, request: EngineRequest) -> int:
         seed = request.sampling.seed

@@ -2,6 +2,9 @@
 to them, as a small header over a pipe (the Python-side shape of the call) and its tensors by one
 broadcast on the tensor-parallel group, then run by every rank on its own shard.
 
+Commands come from two threads: the step's (forward, logits, host copies) and the event loop's
+(the KV transfer's, parallel/transfer.py); one lock keeps each message whole and in order.
+
 The broadcast runs on the group's device stream, so a decode step launched ahead
 (overlap scheduling), whose input ids are the previous step's tokens copied on the device, sends
 its followers those ids in stream order with no host sync. The calls come from one thread at a
@@ -11,6 +14,7 @@ always pair up.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -107,10 +111,16 @@ class Mirror:
     def __init__(self, conns: Sequence[Connection], tp: TensorGroup) -> None:
         self.conns = list(conns)
         self.tp = tp
+        self._lock = threading.Lock()
+
+    def send(self, command: tuple[object, ...], rank: int | None = None) -> None:
+        """Sends `command` to follower `rank` (1..), or to every follower."""
+        with self._lock:
+            for conn in self.conns if rank is None else [self.conns[rank - 1]]:
+                conn.send(command)
 
     def _send(self, command: tuple[object, ...]) -> None:
-        for conn in self.conns:
-            conn.send(command)
+        self.send(command)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> None:
