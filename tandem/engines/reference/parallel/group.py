@@ -64,10 +64,12 @@ class TensorGroup:
         return x
 
 
-def init_group(rank: int, size: int, rendezvous: str, device: torch.device) -> TensorGroup:
+def init_group(rank: int, size: int, rendezvous: str, device: torch.device,
+               backend: str | None = None) -> TensorGroup:
     """Joins the group of `size` ranks that meet at `rendezvous` (a file:// URL all ranks can
-    reach); blocks until every rank joined. NCCL for CUDA devices, gloo otherwise."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    reach); blocks until every rank joined. NCCL for CUDA devices, gloo otherwise (or
+    `backend`: gloo on CUDA lets tests put two ranks on one GPU, which NCCL refuses)."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A rank that never joins (it failed to start) fails the others after this long, not the
