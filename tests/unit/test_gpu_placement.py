@@ -403,3 +403,18 @@ def test_on_cpu_the_share_changes_nothing(fake_gpu: SimpleNamespace) -> None:
     args = EngineArgs(gpu_memory_fraction=0.5, kv_cache_cpu_bytes=64 * MiB)
     assert num_kv_blocks(args, MiB, torch.device("cpu")) == 64
     assert num_kv_blocks(EngineArgs(gpu_memory_fraction=0.5, num_gpu_blocks=7), MiB, CUDA) == 7
+
+
+@pytest.mark.parametrize(("name", "workers"), [
+    ("agg-tp2.yaml", {"decode-0": "0,1"}),
+    ("disagg.yaml", {"prefill-0": "0,1", "decode-0": "2,3"})])
+def test_the_gpt_oss_120b_deployments_place_a_tensor_parallel_worker_on_its_gpus(
+        tmp_path: pathlib.Path, name: str, workers: dict[str, str]) -> None:
+    path = pathlib.Path(__file__).parents[2] / "deploy" / "gpt-oss-120b" / name
+    procs = {p.name: p for p in processes(_load(["--config", str(path)]), tmp_path)}
+    for worker, gpus in workers.items():
+        assert procs[worker].env["CUDA_VISIBLE_DEVICES"] == gpus
+        config = _worker_config(procs[worker])
+        assert config.engine_args.tensor_parallel_size == 2
+        assert config.engine_args.model == "/models/gpt-oss-120b"
+    assert "harmony" in procs["frontend"].argv and "gpt_oss" in procs["frontend"].argv
