@@ -1,5 +1,5 @@
 """The `tandem` command: `tandem up` runs a topology, `tandem serve <stage>` one service,
-`tandem status` asks the router how its workers are."""
+`tandem status` asks the router how its workers are (and the planner, where one runs)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +30,8 @@ _SERVE: dict[str, tuple[str, str, str]] = {
               "turns texts (token ids) into embeddings (an embedding model's pooled states)"),
     "video": ("services.video.main", "main",
               "generates videos from prompts (diffusion: Wan through diffusers or TensorRT-LLM)"),
+    "planner": ("services.planner.main", "main",
+                "sizes pools to their SLA targets from live metrics (tandem up --planner)"),
 }
 _WORKER_STAGES = {"decode", "prefill", "encode", "embed", "video"}
 #: File a command writes its one-line reason to when it fails (unset: none).
@@ -37,6 +39,11 @@ TERMINATION_LOG_ENV = "TANDEM_TERMINATION_LOG"
 
 
 def _up(args: list[str]) -> int:
+    # The launcher forks its children while gRPC threads of its own run (its health probes;
+    # with --planner, its control API). gRPC's C-core fork handlers can do nothing for a
+    # child then but log a line to the console per fork; Python's gRPC leaves fork support
+    # off anyway. Set before gRPC initialises (the import below).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from tandem.launcher.up import main as up_main
     up_main(args)
     return 0
@@ -50,6 +57,11 @@ def _status(args: list[str]) -> int:
 def _check_engine(args: list[str]) -> int:
     from tandem.engines.trtllm.check import main as check_main
     return check_main(args)
+
+
+def _profile(args: list[str]) -> int:
+    from tandem.planner.profiler import main as profile_main
+    return profile_main(args)
 
 
 def _demo_model(args: list[str]) -> int:
@@ -80,6 +92,7 @@ _COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "status": (_status, "the router's workers: candidate or not (and why), load, KV use"),
     "demo-model": (_demo_model, "print the demo model's directory, creating it if needed"),
     "check-engine": (_check_engine, "aggregated vs disaggregated tokens on a real engine"),
+    "profile": (_profile, "measure one worker and write the capacity profile the planner reads"),
 }
 
 

@@ -1,15 +1,22 @@
-"""`tandem serve router`: pools, SLA grid, worker policies, and a watcher per worker."""
+"""`tandem serve router`: pools, SLA grid, worker policies, and a watcher per worker.
+
+SIGHUP re-reads the config (file, environment and flags, as at start) and takes the static
+pools' new members: `tandem up` rewrites its routers' config file and signals them when its
+planner adds or removes workers (tandem.launcher.scaling), as Kubernetes pools change through
+DNS. A restarted router reads the same file, so it starts with the current members.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import pathlib
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 
 from prometheus_client import start_http_server
 
 from services.router.servicer import RouterServicer
-from tandem.errors import InvalidRequest
+from tandem.errors import InvalidRequest, TandemError
 from tandem.routing.config import RouterConfig
 from tandem.routing.grid import GridConfig
 from tandem.routing.membership import Membership, Readiness
@@ -37,7 +44,9 @@ def grid_config_text(config: RouterConfig) -> str:
     return pathlib.Path(config.grid_config).read_text() if config.grid_config else ""
 
 
-async def serve(config: RouterConfig) -> None:
+async def serve(config: RouterConfig,
+                reread: Callable[[], RouterConfig] | None = None) -> None:
+    """Runs the router until SIGTERM. `reread` gives the config anew (on SIGHUP)."""
     logs.setup("router", config.log_level, config.log_format)
     tracing.setup("router")
     logs.log_config(log, config_lib.as_dict(config))
@@ -47,7 +56,8 @@ async def serve(config: RouterConfig) -> None:
                           ["tandem.v1.Router"])
     metrics = RouterMetrics()
     build_info.register(metrics.registry, "router")
-    metrics.watch_index(lambda: {w.worker_id: (router.index.num_blocks_of(w.worker_id),
+    metrics.watch_index(lambda: {w.worker_id: (w.ref.pool,
+                                               router.index.num_blocks_of(w.worker_id),
                                                w.active_requests)
                                  for w in router.all_workers()})
     if config.metrics_port:
@@ -77,6 +87,8 @@ async def serve(config: RouterConfig) -> None:
         RouterServicer(router, config.typical_osl, metrics, ready, grid_config_text(config)),
         service.server)
     dns_tasks = membership.start(config.resolved_pools())
+    if reread is not None:
+        _reload_on_hangup(membership, reread)
     # Past the deadline the router serves whatever its index holds by then.
     asyncio.get_running_loop().call_later(config.startup_sync_timeout_s, on_change)
 
@@ -89,7 +101,33 @@ async def serve(config: RouterConfig) -> None:
     await service.run()
 
 
+def _reload_on_hangup(membership: Membership, reread: Callable[[], RouterConfig]) -> None:
+    """SIGHUP: the static pools' members as the config says now (module docstring). Taken once
+    more right away: a launcher that rewrote the file after this router read it, but before
+    this handler existed, signalled a process that ignored it (`tandem up` starts its
+    children with SIGHUP ignored, so that such a signal cannot kill one)."""
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        try:
+            pools = reread().resolved_pools()
+        except (OSError, TandemError) as exc:
+            log.warning("config not re-read; members unchanged", extra={"error": str(exc)})
+            return
+        await membership.take_static_members(pools)
+
+    def on_hangup() -> None:
+        task = asyncio.get_running_loop().create_task(reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup)
+    on_hangup()
+
+
 def main(argv: Sequence[str]) -> None:
-    config = config_lib.load(RouterConfig, argv, prog="tandem serve router",
-                             description="Run the Tandem router.")
-    loop.run(serve(config))
+    def read() -> RouterConfig:
+        return config_lib.load(RouterConfig, argv, prog="tandem serve router",
+                               description="Run the Tandem router.")
+
+    loop.run(serve(read(), read))

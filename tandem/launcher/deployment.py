@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import socket
-import sys
 from dataclasses import dataclass, field
 
 import yaml
@@ -21,6 +20,13 @@ from tandem.launcher.served_models import (
     router_config,
 )
 from tandem.launcher.supervisor import RESTART_POLICIES
+from tandem.launcher.workers import (
+    ServiceProcess,
+    SharedFlags,
+    model_workers,
+    serve_argv,
+    video_model_name,
+)
 from tandem.multimodal.fetch import MediaFetchConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.cores import usable_cores
@@ -162,7 +168,8 @@ class Deployment:
     #: Workers: health that proves progress (--progress-timeout-s, --canary-interval-s, ...).
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     # == observability ==
-    #: Router's Prometheus /metrics port; 0: none.
+    #: Router's Prometheus /metrics port; router process i (in start order: each model's
+    #: replicas in turn) serves it on this port + i; 0: none.
     router_metrics_port: int = 0
     #: Frontend's plain-HTTP /metrics port (its OpenAI port serves /metrics too, of whichever
     #: process took the connection); frontend process i serves it on this port + i; 0: none.
@@ -179,6 +186,18 @@ class Deployment:
     # == testing ==
     #: Workers: fault-test hooks (SIGUSR1 pauses the engine's step loop, SIGUSR2 resumes it).
     debug_hooks: bool = False
+    # == general ==
+    #: Also run the planner (`tandem serve planner`): every interval it sizes the pools that
+    #: planner_config lists to their SLA targets, and this launcher adds their workers on free
+    #: ports (and free GPU entries: a pool's spare_gpus) or drains the ones it removes.
+    planner: bool = False
+    #: The planner's plan: a YAML file of its pools (each a deployment pool's name, its role,
+    #: TTFT/ITL targets, min/max workers, capacity profile), GPU budget and interval
+    #: (tandem.planner.config); required with --planner.
+    planner_config: str = ""
+    #: The planner's Prometheus /metrics port (desired and actual workers per pool,
+    #: decisions); 0: none.
+    planner_metrics_port: int = 0
     # == security ==
     #: Frontend: API keys clients must send (--api-keys; $TANDEM_API_KEYS reaches the frontend
     #: through the environment).
@@ -191,82 +210,6 @@ class Deployment:
     tls: TlsConfig = field(default_factory=TlsConfig)
     #: Engine flags, forwarded to every worker (--model, --speedup-ratio, --kv-block-size ...).
     engine_args: EngineArgs = field(default_factory=EngineArgs)
-
-
-@dataclass(frozen=True)
-class ServiceProcess:
-    """One process of the topology: its name, gRPC health address, command line and the
-    variables it gets on top of the launcher's environment."""
-
-    name: str
-    health_address: str
-    argv: list[str]
-    #: Processes of one group are stopped together (the frontend processes); "": its name.
-    stop_group: str = ""
-    #: Whether other services of the topology dial its gRPC port (workers, routers): it then
-    #: gets a Unix-domain socket (tandem.runtime.unix_sockets); frontends are dialed by clients.
-    is_dialed_by_peers: bool = True
-    #: Set in its environment over the launcher's (a placed worker's CUDA_VISIBLE_DEVICES).
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def _serve(stage: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", "serve", stage, *flags]
-
-
-def video_model_name(d: Deployment) -> str:
-    """The served name of the video model (what /v1/videos requests name)."""
-    if d.video_served_model_name:
-        return d.video_served_model_name
-    return pathlib.Path(d.video_model).name if d.video_model else "tandem-wan-tiny"
-
-
-def _video_worker(d: Deployment, name: str, port: int, common: list[str],
-                  worker_flags: list[str], env: dict[str, str]) -> ServiceProcess:
-    flags = ["--engine", d.video_engine, "--served-model-name", video_model_name(d)]
-    flags += ["--model", d.video_model] if d.video_model else []
-    flags += ["--media-output-dir", d.media_output_dir] if d.media_output_dir else []
-    return ServiceProcess(name, f"{d.host}:{port}", _serve(
-        "video", "--host", d.host, "--port", str(port), *flags, *common, *worker_flags,
-        *d.video_worker_flags), env=env)
-
-
-def _worker_stage(pool: DeploymentPool, disaggregated: bool) -> list[str]:
-    if pool.kind in ("prefill", "encode"):
-        return [pool.kind]
-    if pool.kind == "embedding":
-        return ["embed"]
-    return ["decode", "--disaggregation-mode", "decode" if disaggregated else "agg"]
-
-
-def _model_workers(d: Deployment, t: ModelTopology, common: list[str], worker_flags: list[str]
-                   ) -> tuple[list[ServiceProcess], list[placement.PlacedWorker]]:
-    """The model's workers, pool by pool, and where each is placed (placement.pool_gpus
-    validates each pool's GPUs and share)."""
-    model = ["--served-model-name", t.name] if t.name else []
-    engine_flags = config_lib.to_argv(t.engine_args)
-    disaggregated = any(pool.kind == "prefill" for pool in t.pools)
-    workers: list[ServiceProcess] = []
-    placed: list[placement.PlacedWorker] = []
-    for pool, fields in zip(t.pools, t.pool_fields, strict=True):
-        gpus = placement.pool_gpus(pool, fields, d.engine, t.engine_args.device,
-                                   t.engine_args.tensor_parallel_size)
-        for i, port in enumerate(pool.ports):
-            name, env = f"{pool.name}-{i}", placement.gpu_env(gpus[i] if gpus else ())
-            if pool.kind == "video":
-                workers.append(_video_worker(d, name, port, common,
-                                             [*worker_flags, *pool.worker_flags], env))
-            else:
-                # The pool's share after the model's flags, before the pool's own (they win).
-                workers.append(ServiceProcess(name, f"{d.host}:{port}", _serve(
-                    *_worker_stage(pool, disaggregated), "--host", d.host, "--port", str(port),
-                    "--engine", d.engine, *model, *common, *engine_flags, *worker_flags,
-                    *t.worker_flags, *placement.fraction_flags(pool), *pool.worker_flags),
-                    env=env))
-            placed.append(placement.PlacedWorker(
-                name, gpus[i] if gpus else (), placement.argv_fraction(workers[-1].argv),
-                fields, takes_share=pool.kind != "video"))
-    return workers, placed
 
 
 def _router_address(d: Deployment, t: ModelTopology) -> str:
@@ -299,9 +242,8 @@ def _model_flags(d: Deployment, topologies: list[ModelTopology],
 def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     """The processes in start order (workers, routers, frontend); stop in reverse. The
     routers' config files are written into `workdir`."""
-    common = ["--grace-period-s", str(d.grace_period_s), "--log-level", d.log_level,
-              "--log-format", d.log_format, *config_lib.to_argv(d.tls)]
-    worker_flags = [*config_lib.to_argv(d.watchdog), *(["--debug-hooks"] if d.debug_hooks else [])]
+    flags = SharedFlags.of(d)
+    common = flags.common
     topologies = model_topologies(d)
     if d.engine == "mock" and any(p.kind == "encode" for t in topologies for p in t.pools):
         raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
@@ -316,8 +258,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     workers: list[ServiceProcess] = []
     placed: list[placement.PlacedWorker] = []
     for t in topologies:
-        model_workers, model_placed = _model_workers(d, t, common, worker_flags)
-        workers += model_workers
+        model_processes, model_placed = model_workers(d, t, flags)
+        workers += model_processes
         placed += model_placed
     placement.check_shared_gpus(placed)
     if d.worker_metrics_ports:
@@ -330,9 +272,14 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     for t in topologies:
         router_file = workdir / (f"router-{t.name}.yaml" if d.models else "router.yaml")
         router_file.write_text(yaml.safe_dump(router_config(d, t)))
-        routers += [ServiceProcess(name, f"{d.host}:{port}", _serve(
-            "router", "--host", d.host, "--port", str(port), "--config", str(router_file),
-            *common)) for name, port in t.routers.items()]
+        for name, port in t.routers.items():
+            # Router process j serves its metrics on router_metrics_port + j (the config file
+            # its model's replicas share names the first): one port each, as frontends have.
+            metrics = ["--metrics-port", str(d.router_metrics_port + len(routers))] \
+                if d.router_metrics_port else []
+            routers.append(ServiceProcess(name, f"{d.host}:{port}", serve_argv(
+                "router", "--host", d.host, "--port", str(port), "--config", str(router_file),
+                *metrics, *common)))
     frontend_flags = _model_flags(d, topologies, workdir)
     if d.request_timeout_s:
         frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
@@ -354,7 +301,7 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     # The frontend hashes prompts with images into the workers' blocks.
     frontend_flags += ["--kv-block-size", str(d.engine_args.kv_block_size),
                        *config_lib.to_argv(d.media)]
-    frontend_argv = _serve(
+    frontend_argv = serve_argv(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), *frontend_flags, *common, "--processes", "1")
     return [*workers, *routers, *frontends(d, frontend_argv)]

@@ -40,6 +40,12 @@ class DeploymentPool:
     #: --gpu-memory-fraction (the reference engine sizes its KV pool by it); on a GPU that
     #: several workers share, each needs one and they sum to at most 1. 0: the whole GPU.
     gpu_memory_fraction: float = 0.0
+    #: GPU entries (as `gpus`) for the workers a planner may add to this pool beyond its ports
+    #: (`tandem up --planner`): an added worker takes the first entry no worker of the pool
+    #: holds, and a removed worker's entry is free again. A placed pool grows no further than
+    #: its entries. An entry shares a GPU only as `gpus` entries may (with the pool's
+    #: gpu_memory_fraction, all shares on the GPU summing to at most 1).
+    spare_gpus: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """`tandem status`: every pool and worker as a router sees them (Router.ListWorkers), as a table
 for an operator or as JSON for scripts. What a worker served and its devices come with the load
-it last reported on its event stream."""
+it last reported on its event stream. With a `tandem up` on this machine: its processes, and
+its planner's targets and last decisions with their reasons (the planner's report file)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from typing import Any
 
 from tandem.errors import TandemError
 from tandem.launcher.supervisor import read_state, state_path
+from tandem.planner.report import format_report, read_report
 from tandem.routing.snapshot import PoolSnapshot, WorkerSnapshot
 from tandem.runtime import config as config_lib
 from tandem.runtime import devices as devices_lib
@@ -120,11 +122,14 @@ def _plain(value: Any) -> Any:
 
 
 def format_json(address: str, pools: Sequence[PoolSnapshot],
-                launcher: dict[str, Any] | None = None) -> str:
+                launcher: dict[str, Any] | None = None,
+                planner: dict[str, Any] | None = None) -> str:
     body: dict[str, Any] = {"router": address,
                             "pools": [_plain(dataclasses.asdict(p)) for p in pools]}
     if launcher is not None:
         body["launcher"] = launcher
+    if planner is not None:
+        body["planner"] = planner
     return json.dumps(body, indent=2)
 
 
@@ -159,6 +164,19 @@ def format_services(state: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def planner_report(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report of the planner a `tandem up --planner` runs (its targets, last decisions and
+    why); None without one, or before it wrote any."""
+    path = (state or {}).get("planner_status")
+    return read_report(path) if isinstance(path, str) else None
+
+
+def _launcher_text(state: dict[str, Any] | None, planner: dict[str, Any] | None) -> str:
+    parts = [format_services(state)] if state is not None else []
+    parts += [format_report(planner)] if planner is not None else []
+    return "\n\n".join(parts)
+
+
 def main(argv: Sequence[str]) -> int:
     config = config_lib.load(StatusConfig, argv, prog="tandem status",
                              description="Show every pool and worker of a Tandem router: "
@@ -166,6 +184,7 @@ def main(argv: Sequence[str]) -> int:
                                          "with a `tandem up` on this machine, its processes "
                                          "and their restarts.")
     state = launcher_state(config.router_address)
+    planner = planner_report(state)
     try:
         pools = asyncio.run(fetch(config))
     except TandemError as exc:
@@ -175,18 +194,20 @@ def main(argv: Sequence[str]) -> int:
         # The router may be the one restarting: say what the launcher knows all the same.
         if config.json:
             print(json.dumps({"router": config.router_address, "error": message,
-                              **({"launcher": state} if state is not None else {})},
+                              **({"launcher": state} if state is not None else {}),
+                              **({"planner": planner} if planner is not None else {})},
                              indent=2), flush=True)
         elif state is not None:
-            print(format_services(state), flush=True)
+            print(_launcher_text(state, planner), flush=True)
         print(f"tandem status: {message}", file=sys.stderr)
         return 1
     try:
         if config.json:
-            print(format_json(config.router_address, pools, state), flush=True)
+            print(format_json(config.router_address, pools, state, planner), flush=True)
         else:
+            launcher = _launcher_text(state, planner)
             print(format_table(config.router_address, pools)
-                  + (f"\n\n{format_services(state)}" if state is not None else ""), flush=True)
+                  + (f"\n\n{launcher}" if launcher else ""), flush=True)
     except BrokenPipeError:  # `tandem status | head`: the reader took what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -1,9 +1,12 @@
 """`tandem up` keeps its services running, as compose's `restart:` and Kubernetes do: a process
 that exits while the topology runs is started again after a back-off, with a log line naming its
-exit status, and its restart count goes into a state file that `tandem status` shows."""
+exit status, and its restart count goes into a state file that `tandem status` shows. A worker
+its planner adds is supervised from its start; one it removes is retired first, so that its exit
+is not taken for a failure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -11,9 +14,9 @@ import pathlib
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger("tandem.up")
@@ -44,7 +47,8 @@ def exit_status(code: int) -> str:
 class ServiceState:
     name: str
     pid: int
-    #: running, or restarting (waiting out its back-off)
+    #: running, restarting (waiting out its back-off), or draining (retired: finishing its
+    #: work before it exits for good)
     state: str = "running"
     restarts: int = 0
     #: How it last exited ("" if it never did), and when (Unix seconds; 0: never).
@@ -52,8 +56,27 @@ class ServiceState:
     last_exit_at: float = 0.0
 
 
+async def wait_exit(child: subprocess.Popen[bytes]) -> int:
+    """The child's exit code, once it exits. One thread per wait (Popen.wait blocks), not a
+    pool's: a pool sized for the children at start would leave those added later waiting."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def report(code: int) -> None:
+        if not done.done():
+            done.set_result(code)
+
+    def wait() -> None:
+        code = child.wait()
+        with contextlib.suppress(RuntimeError):  # the launcher's loop closed meanwhile
+            loop.call_soon_threadsafe(report, code)
+
+    threading.Thread(target=wait, name=f"tandem-up-wait-{child.pid}", daemon=True).start()
+    return await done
+
+
 class Supervisor:
-    """Waits on every child (one thread each: Popen.wait blocks) and restarts those that exit.
+    """Waits on every child and restarts those that exit, but for those it was told to retire.
 
     Args:
         children: name -> the running process; `restart(name)` replaces the entry.
@@ -72,22 +95,46 @@ class Supervisor:
         self.launcher = launcher
         self.states = {name: ServiceState(name, child.pid) for name, child in children.items()}
         self.is_stopping = False
-        self._threads = ThreadPoolExecutor(max_workers=len(children),
-                                           thread_name_prefix="tandem-up-wait")
+        #: Children told to go for good (tandem.launcher.scaling): never restarted.
+        self._retired: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self._write()
         self._tasks = [asyncio.create_task(self._watch(name)) for name in self.children]
 
+    def watch(self, name: str) -> None:
+        """Supervises child `name`, started after `start` (a worker a planner added)."""
+        self.states[name] = ServiceState(name, self.children[name].pid)
+        self._write()
+        self._tasks.append(asyncio.create_task(self._watch(name)))
+
+    def retire(self, name: str) -> None:
+        """Child `name` is about to be stopped on purpose: its exit is not restarted, and it
+        leaves the state file once it exited. Call before signalling it."""
+        self._retired.add(name)
+        state = self.states.get(name)
+        if state is not None and state.state == "exited":  # not watched any more
+            self._forget(name)
+        elif state is not None:
+            state.state = "draining"
+            self._write()
+
+    def _forget(self, name: str) -> None:
+        self.states.pop(name, None)
+        self._retired.discard(name)
+        self._write()
+
     async def _watch(self, name: str) -> None:
         attempt = 0
-        loop = asyncio.get_running_loop()
         while True:
             child = self.children[name]
             started = time.monotonic()
-            code = await loop.run_in_executor(self._threads, child.wait)
+            code = await wait_exit(child)
             if self.is_stopping:
+                return
+            if name in self._retired:
+                self._forget(name)
                 return
             state = self.states[name]
             state.last_exit, state.last_exit_at = exit_status(code), time.time()
@@ -109,6 +156,9 @@ class Supervisor:
             await asyncio.sleep(delay)
             if self.is_stopping:
                 return
+            if name in self._retired:  # retired while it waited out its back-off
+                self._forget(name)
+                return
             new = self._restart(name)
             state.pid, state.state, state.restarts = new.pid, "running", state.restarts + 1
             self._write()
@@ -127,7 +177,6 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._threads.shutdown(wait=False, cancel_futures=True)
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from tandem.cli import TERMINATION_LOG_ENV
 from tandem.errors import TandemError
+from tandem.launcher import planner_process
+from tandem.launcher.control import LauncherControl
 from tandem.launcher.deployment import (
     Deployment,
     ServiceProcess,
@@ -85,13 +87,26 @@ class Topology:
         # the children in order (frontend first) instead of all at once.
         child = self.children[spec.name] = subprocess.Popen(spec.argv, env=env,
                                                             start_new_session=True,
-                                                            preexec_fn=die_with_parent)
+                                                            preexec_fn=_child_setup)
         log.debug("started", extra={"service": spec.name, "pid": child.pid})
         return child
 
     def restart(self, name: str) -> subprocess.Popen[bytes]:
         """Starts service `name` again, with the command line it first had."""
         return self._spawn(next(s for s in self.specs if s.name == name))
+
+    def add(self, spec: ServiceProcess) -> None:
+        """Starts a worker added while the topology runs, placed in the start order with the
+        workers (before the routers): `stop` then drains it after the frontends."""
+        first_router = next((i for i, s in enumerate(self.specs)
+                             if s.name in self.router_names), len(self.specs))
+        self.specs.insert(first_router, spec)
+        self._spawn(spec)
+
+    def forget(self, name: str) -> None:
+        """Drops a service that exited for good (a worker the planner removed)."""
+        self.specs = [s for s in self.specs if s.name != name]
+        self.children.pop(name, None)
 
     def failure(self, name: str) -> StartupFailed:
         """Why child `name` exited: the line it wrote to its termination log, else its code."""
@@ -156,9 +171,10 @@ class Topology:
             else:
                 groups.append([spec])
         for group in groups:
-            await asyncio.gather(*(self._stop_one(spec.name, grace_s) for spec in group))
+            await asyncio.gather(*(self.stop_one(spec.name, grace_s) for spec in group))
 
-    async def _stop_one(self, name: str, grace_s: float) -> None:
+    async def stop_one(self, name: str, grace_s: float) -> None:
+        """SIGTERM to `name`; returns once it exited (killed `grace_s` + 5 s later)."""
         child = self.children.get(name)
         if child is None or child.poll() is not None:
             return
@@ -169,6 +185,14 @@ class Topology:
             log.warning("did not drain in time; killing", extra={"service": name})
             child.kill()
             await asyncio.to_thread(child.wait)
+
+
+def _child_setup() -> None:
+    """In each child before it runs: dies with the launcher, and ignores SIGHUP until it sets
+    its own handler (a router re-reads its config on SIGHUP, which by default would kill one
+    signalled while it starts)."""
+    die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def _banner(d: Deployment, model_dir: str, name: str) -> str:
@@ -224,11 +248,29 @@ async def run(d: Deployment) -> int:
         model_dir = d.engine_args.model or str(ensure_demo_model())
         d = with_model(d, model_dir)
         name = d.served_model_name or pathlib.Path(model_dir).name
+    plan = None
+    if d.planner:  # checked before anything starts
+        d, plan = planner_process.prepare(d)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-up-"))
     routers = [name for t in model_topologies(d) for name in t.routers]
     specs = processes(d, workdir)
     _warn_of_visible_devices(specs)
     topology = Topology(specs, d.tls, workdir, routers, _unix_socket_dir(d, workdir))
+    control: LauncherControl | None = None
+    launcher: dict[str, object] = {"launcher_pid": os.getpid(),
+                                   "router": f"{d.host}:{d.router_port}",
+                                   "restart_policy": d.restart_policy}
+    if plan is not None:
+        # The planner is started last and so stopped first: nothing resizes a topology that
+        # is going down.
+        try:
+            control = LauncherControl(d, topology, workdir)  # checks the pools' spare_gpus
+        except TandemError:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        topology.specs.append(planner_process.planner_process(d, plan, workdir,
+                                                              await control.start()))
+        launcher["planner_status"] = str(planner_process.status_path(workdir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -244,11 +286,10 @@ async def run(d: Deployment) -> int:
             ready.result()  # raises when a service died during start-up
             # From here on a service that exits is restarted (a start-up failure is final).
             supervisor = Supervisor(topology.children, topology.restart, d.restart_policy,
-                                    state_path(d.router_port), {
-                                        "launcher_pid": os.getpid(),
-                                        "router": f"{d.host}:{d.router_port}",
-                                        "restart_policy": d.restart_policy})
+                                    state_path(d.router_port), launcher)
             supervisor.start()
+            if control is not None:
+                control.open(supervisor)
             print(_banner(d, model_dir, name), flush=True)
             await stopped
         else:
@@ -258,6 +299,8 @@ async def run(d: Deployment) -> int:
     finally:
         if supervisor is not None:
             await supervisor.stop()
+        if control is not None:
+            await control.close()
         await topology.stop(d.grace_period_s)
         shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:

@@ -5,5 +5,8 @@ worker can carry within a target, and the online correction), `predictor` (the n
 load), `demand` (workers a load needs), `decision` (worker counts per pool within bounds,
 hysteresis and the budget, with the reason), `exposition` and `observe` (Prometheus text to
 per-interval observations).
-The service that runs them on a timer and the connectors that act are built on top.
+On top, the service (`tandem serve planner`, services/planner): `loop` (every interval:
+`scrape` -> observe -> refine -> predict -> decide -> act, with `removal` naming the workers to
+remove first), `connector` (the interface it acts through: `local` for `tandem up`, `k8s` for
+Kubernetes), `metrics` and `report` (what it exposes), `service_config` (its typed config).
 """

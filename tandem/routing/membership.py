@@ -55,10 +55,32 @@ class Membership:
     async def set_members(self, pool_name: str, addresses: Sequence[str]) -> None:
         """The pool's members are now `addresses`: new ones are followed, gone ones dropped
         (from the index too)."""
-        self._watch(self.router.set_pool_workers(pool_name, addresses))
-        for gone in [w for w in self.watchers if w not in
-                     {s.worker_id for s in self.router.all_workers()}]:
-            await self.watchers.pop(gone).close()
+        added = self.router.set_pool_workers(pool_name, addresses)
+        self._watch(added)
+        gone = [w for w in self.watchers
+                if w not in {s.worker_id for s in self.router.all_workers()}]
+        for worker_id in gone:
+            await self.watchers.pop(worker_id).close()
+        if added or gone:
+            self.on_change()  # the pools' candidate counts changed with their members
+
+    async def take_static_members(self, pools: Sequence[PoolConfig]) -> None:
+        """The static pools' members as a re-read config lists them (`tandem up` rewrites its
+        router's config and signals it when a planner adds or removes workers): each pool the
+        router has and that lists workers rather than a DNS name gets exactly those. Anything
+        else a config may change (pools, kinds, policies) needs a restart, and is logged."""
+        have = {p.name: p.config for p in self.router.pools}
+        for pool in pools:
+            config = have.get(pool.name)
+            if config is None or pool.dns or config.dns or (pool.kind, pool.policy) != (
+                    config.kind, config.policy):
+                log.warning("config change ignored: only the workers of a static pool change "
+                            "without a restart", extra={"pool": pool.name})
+                continue
+            if set(pool.workers) != set(self.router.pool_members(pool.name)):
+                log.info("pool members changed", extra={
+                    "pool": pool.name, "workers": list(pool.workers)})
+                await self.set_members(pool.name, pool.workers)
 
     def start(self, pools: Sequence[PoolConfig]) -> list[asyncio.Task[None]]:
         for state in self.router.all_workers():

@@ -10,22 +10,28 @@ from prometheus_client.registry import Collector
 
 from tandem.routing.workers import RouteDecision
 
+#: worker id -> (its pool, blocks the index holds for it, requests the router counts on it).
+IndexCounts = dict[str, tuple[str, int, int]]
+
 
 class IndexCollector(Collector):
-    """Blocks the router's prefix index holds per worker, computed at scrape time."""
+    """Blocks the router's prefix index holds per worker, computed at scrape time. Each sample
+    names the worker's pool too: a planner reads from this page which workers each pool has
+    now and what each would cost to remove (tandem.planner.removal)."""
 
-    def __init__(self, counts: Callable[[], dict[str, tuple[int, int]]]) -> None:
+    def __init__(self, counts: Callable[[], IndexCounts]) -> None:
         self.counts = counts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["pool", "worker"]
         blocks = GaugeMetricFamily("tandem_router_indexed_blocks",
-                                   "KV blocks the router knows a worker holds", labels=["worker"])
+                                   "KV blocks the router knows a worker holds", labels=labels)
         load = GaugeMetricFamily("tandem_router_worker_active_requests",
                                  "Requests the router counts on a worker (reported + handed out)",
-                                 labels=["worker"])
-        for worker, (num_blocks, num_requests) in sorted(self.counts().items()):
-            blocks.add_metric([worker], num_blocks)
-            load.add_metric([worker], num_requests)
+                                 labels=labels)
+        for worker, (pool, num_blocks, num_requests) in sorted(self.counts().items()):
+            blocks.add_metric([pool, worker], num_blocks)
+            load.add_metric([pool, worker], num_requests)
         yield blocks
         yield load
 
@@ -50,7 +56,7 @@ class RouterMetrics:
         self.healthy_workers = Gauge("tandem_router_healthy_workers",
                                      "Workers in the candidate set", ("pool",), registry=r)
 
-    def watch_index(self, counts: Callable[[], dict[str, tuple[int, int]]]) -> None:
+    def watch_index(self, counts: Callable[[], IndexCounts]) -> None:
         self.registry.register(IndexCollector(counts))
 
     def observe(self, decision: RouteDecision, seconds: float) -> None:

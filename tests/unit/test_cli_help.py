@@ -12,6 +12,7 @@ from tandem import cli
 from tandem.engines.trtllm.check import CheckConfig
 from tandem.launcher.deployment import Deployment
 from tandem.launcher.status import StatusConfig
+from tandem.planner.service_config import PlannerServiceConfig
 from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.flag_help import GROUPS, field_help
@@ -25,6 +26,7 @@ COMMANDS: dict[str, type] = {
     "serve decode": WorkerConfig,
     "serve prefill": WorkerConfig,
     "serve encode": WorkerConfig,
+    "serve planner": PlannerServiceConfig,
     "status": StatusConfig,
     "check-engine": CheckConfig,
 }
@@ -112,7 +114,8 @@ def test_an_unknown_section_heading_is_refused() -> None:
 
 @pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["serve", "--help"],
                                   ["serve", "decode", "--help"], ["status", "--help"],
-                                  ["check-engine", "--help"], ["demo-model", "--help"]])
+                                  ["check-engine", "--help"], ["demo-model", "--help"],
+                                  ["profile", "--help"]])
 def test_help_exits_zero_and_prints_usage(argv: list[str],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(argv) == 0
@@ -123,7 +126,7 @@ def test_help_exits_zero_and_prints_usage(argv: list[str],
 def test_tandem_help_lists_each_command_with_a_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("up", "serve", "status", "demo-model", "check-engine"):
+    for command in ("up", "serve", "status", "demo-model", "check-engine", "profile"):
         line = next(line for line in out.splitlines() if line.strip().startswith(command + " "))
         assert len(line.split()) >= 5, line
 

@@ -2,7 +2,9 @@
 accepts, workers probe the gRPC health service, drain inside their termination grace and
 request GPUs, the router's DNS pools name the workers' headless Services, and the
 ServiceMonitor finds every metrics port. The topology matches compose's gpu profile (and its
-encode and embedding profiles); the frontend's embedding model is the embed workers' model."""
+encode and embedding profiles); the frontend's embedding model is the embed workers' model.
+The planner runs alone under its ServiceAccount, its config sizes the worker Deployments, and
+its Role names exactly those."""
 from __future__ import annotations
 
 import pathlib
@@ -15,7 +17,9 @@ from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
 from services.frontend.main import FrontendConfig
+from services.planner.main import CONNECTORS
 from services.router.main import build_router
+from tandem.planner.service_config import PlannerServiceConfig, load_models
 from tandem.routing.config import RouterConfig
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import inference_pb2, router_pb2, video_pb2
@@ -25,6 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "compose.yaml"
 STAGE_NAMES = {"frontend", "router", "prefill", "decode", "encode", "embed", "video"}
+#: The planner's Deployment: no serving stage (parsed() leaves it out).
+PLANNER = "planner"
 WORKER_STAGES = set(STAGES)
 #: Stages on one GPU with the reference engine (diffusers; embeddings: TensorRT-LLM has neither).
 REFERENCE_GPU_STAGES = {"video", "embed"}
@@ -93,9 +99,11 @@ def argv_of(deployment: dict[str, Any], tmp_path: pathlib.Path) -> list[str]:
 
 
 def parsed(tmp_path: pathlib.Path) -> dict[str, tuple[dict[str, Any], Any]]:
-    """stage -> (Deployment, config) for every Deployment."""
+    """stage -> (Deployment, config) for every Deployment of a serving stage."""
     out = {}
-    for deployment in of_kind("Deployment").values():
+    for name, deployment in of_kind("Deployment").items():
+        if name == PLANNER:
+            continue
         stage, config = parse_serve(argv_of(deployment, tmp_path))
         assert stage not in out, f"two Deployments run {stage}"
         out[stage] = (deployment, config)
@@ -127,8 +135,10 @@ def test_every_manifest_parses_and_is_listed() -> None:
     kinds = [d["kind"] for d in manifests()]
     for doc in manifests():
         assert doc["apiVersion"] and doc["metadata"]["name"]
-    assert kinds.count("Deployment") == len(STAGE_NAMES) == 7
-    assert kinds.count("ServiceMonitor") == 1 and kinds.count("ConfigMap") == 1
+    assert kinds.count("Deployment") == len(STAGE_NAMES) + 1 == 8  # and the planner
+    assert kinds.count("ServiceMonitor") == 1 and kinds.count("ConfigMap") == 2
+    assert kinds.count("ServiceAccount") == kinds.count("Role") == 1
+    assert kinds.count("RoleBinding") == 1
     assert set(of_kind("Namespace")) == {namespace()}
 
 
@@ -194,6 +204,23 @@ def test_termination_grace_covers_prestop_and_drain(tmp_path: pathlib.Path) -> N
         assert pre_stop_s > 0
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > pre_stop_s + config.grace_period_s, stage
+
+
+def test_a_pool_the_planner_shrinks_drains_before_probes_or_routing_interfere(
+        tmp_path: pathlib.Path) -> None:
+    """A pod the planner removes leaves its headless Service's endpoints at once: the router
+    re-resolves its DNS pool before preStop ends, so nothing new reaches the pod when SIGTERM
+    starts the drain; and its health, NOT_SERVING from then on, must not fail the liveness
+    probe (a kill, its streams lost) before the drain's grace period is over."""
+    stages = parsed(tmp_path)
+    router = stages["router"][1]
+    for stage in ("prefill", "decode"):
+        deployment, config = stages[stage]
+        c = container(deployment)
+        pre_stop_s = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert router.dns_refresh_s < pre_stop_s, stage
+        liveness = c["livenessProbe"]
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] > config.grace_period_s
 
 
 def test_gpu_stages_request_one_gpu_and_every_container_has_resources(
@@ -349,3 +376,93 @@ def test_a_failing_service_writes_its_reason_where_kubernetes_reads_it() -> None
         env = {e["name"]: e.get("value") for e in spec.get("env", [])}
         read_from = spec.get("terminationMessagePath", "/dev/termination-log")
         assert env.get("TANDEM_TERMINATION_LOG") == read_from, name
+
+
+# ---- the planner ----------------------------------------------------------------------------
+
+def _planner(tmp_path: pathlib.Path) -> tuple[dict[str, Any], PlannerServiceConfig]:
+    """The planner's Deployment and the config its command builds, every file of its ConfigMap
+    written under tmp_path as the pod sees it mounted (the config's paths to them rewritten)."""
+    deployment = of_kind("Deployment")[PLANNER]
+    c = container(deployment)
+    (mount,) = c["volumeMounts"]
+    (volume,) = deployment["spec"]["template"]["spec"]["volumes"]
+    assert volume["name"] == mount["name"]
+    argv = argv_of(deployment, tmp_path)
+    data = of_kind("ConfigMap")[volume["configMap"]["name"]]["data"]
+    for name, text in data.items():
+        (tmp_path / name).write_text(text.replace(mount["mountPath"] + "/", f"{tmp_path}/"))
+    path = pathlib.PurePosixPath(c["args"][c["args"].index("--config") + 1])
+    assert str(path.parent) == mount["mountPath"]
+    argv[argv.index("--config") + 1] = str(tmp_path / path.name)
+    stage, config = parse_serve(argv)
+    assert stage == PLANNER and isinstance(config, PlannerServiceConfig)
+    return deployment, config
+
+
+def test_planner_runs_alone_under_its_service_account(tmp_path: pathlib.Path) -> None:
+    deployment, config = _planner(tmp_path)
+    spec = deployment["spec"]
+    # Two planners would both set the counts, also for a moment during a rollout.
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    c = container(deployment)
+    assert c["command"] == ["tandem", "serve", "planner"] and config.host == "0.0.0.0"
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": config.port, "service": ""}, probe
+    account = spec["template"]["spec"]["serviceAccountName"]
+    assert account in of_kind("ServiceAccount")
+    (binding,) = of_kind("RoleBinding").values()
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                    "namespace": namespace()}]
+    assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] in of_kind("Role")
+
+
+def test_planner_config_sizes_the_worker_deployments(tmp_path: pathlib.Path) -> None:
+    """Each pool is a worker Deployment of its role and GPUs per worker, whose count the
+    planner owns; its profile loads, fits it and reaches its target; the Role may scale
+    exactly these Deployments; the connector is one the service knows."""
+    _, config = _planner(tmp_path)
+    config.check()
+    models = load_models(config.plan)
+    stages = parsed(tmp_path)
+    assert config.connector == "kubernetes"
+    assert config.connector in CONNECTORS, (
+        "services/planner/main.py must register the Kubernetes connector: "
+        "tandem.planner.k8s.create_connector")
+    for pool in config.plan.pools:
+        deployment, worker = stages[pool.name]  # a Deployment named after its pool
+        assert deployment["metadata"]["name"] == pool.name
+        # The planner owns the count: a manifest that set it would reset it on each apply.
+        assert "replicas" not in deployment["spec"], pool.name
+        # A worker's mode is its role: prefill, decode, or agg (a decode stage that prefills).
+        assert worker.disaggregation_mode == pool.role, pool.name
+        gpus = container(deployment)["resources"]["limits"]["nvidia.com/gpu"]
+        assert pool.gpus_per_worker == gpus
+        model = models[pool.name]
+        if pool.uses_prefill:
+            assert model.prefill_capacity(1024, pool.ttft_target_ms) > 0
+        if pool.uses_decode:
+            assert model.decode_capacity(1024, pool.itl_target_ms) > 0
+    (role,) = of_kind("Role").values()
+    scaled = [r for r in role["rules"] if r["resources"] == ["deployments/scale"]]
+    assert len(scaled) == 1
+    assert sorted(scaled[0]["resourceNames"]) == sorted(p.name for p in config.plan.pools)
+
+
+def test_planner_reads_the_metrics_services(tmp_path: pathlib.Path) -> None:
+    """Its metrics URLs are Services of this namespace, on their metrics ports."""
+    _, config = _planner(tmp_path)
+    services = of_kind("Service")
+    urls = [*config.frontend_metrics_urls, *config.router_metrics_urls]
+    assert config.frontend_metrics_urls and config.router_metrics_urls
+    for url in urls:
+        m = re.fullmatch(r"http://([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local:(\d+)/metrics",
+                         url)
+        assert m, url
+        name, ns, port = m.group(1), m.group(2), int(m.group(3))
+        assert ns == namespace() and name in services, url
+        ports = {p["name"]: p["port"] for p in services[name]["spec"]["ports"]}
+        assert ports.get("metrics") == port, url

@@ -1,0 +1,165 @@
+"""The planner's loop over the pages the real metric objects write (the frontend's, the router's)
+and a recorded connector: it decides only on complete intervals, grows and shrinks through the
+connector naming the cheapest workers first, starts from the deployment as it finds it, splits
+the traffic between pools of one role, and reports what it decided and why."""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+import pytest
+from prometheus_client import generate_latest
+
+from tandem.engines.types import Usage
+from tandem.frontend.metrics import FrontendMetrics
+from tandem.planner.config import planner_config_from_dict
+from tandem.planner.connector import Connector
+from tandem.planner.demand import PoolModel
+from tandem.planner.exposition import parse_scrape
+from tandem.planner.loop import PlannerLoop, routed_shares
+from tandem.planner.metrics import PlannerMetrics
+from tandem.planner.profile import profile_from_dict
+from tandem.planner.removal import RemovalCost, pool_workers, removal_order
+from tandem.planner.report import ReportWriter, format_report, read_report
+from tandem.planner.scrape import Round
+from tandem.routing.metrics import RouterMetrics
+
+FRONTEND, ROUTER = "http://f/metrics", "http://r/metrics"
+#: 4 streams per worker within ITL 20 ms; prefill all but free: r req/s of OSL 50 need r / 4
+#: workers (and a few millionths for the prompts).
+PROFILE = profile_from_dict({
+    "version": 1, "engine": "mock", "model": "t", "gpus_per_worker": 1,
+    "prefill": [{"isl": 1, "tokens_per_s": 1e6, "ttft_ms": 1}],
+    "decode": [{"context_length": 1, "batch_size": 1, "itl_ms": 5},
+               {"context_length": 1, "batch_size": 10, "itl_ms": 50}]})
+
+
+class Pages:
+    """A frontend and a router whose pages the fake scraper reads, on a fake clock."""
+
+    def __init__(self) -> None:
+        self.frontend = FrontendMetrics("demo")
+        self.router = RouterMetrics()
+        self.workers: dict[str, tuple[str, int, int]] = {}
+        self.router.watch_index(lambda: self.workers)
+        self.urls = [FRONTEND, ROUTER]
+        self.now = 0.0
+        self.down: set[str] = set()
+
+    def serve(self, requests: int, osl: int = 50) -> None:
+        for _ in range(requests):
+            tracker = self.frontend.track("completions")
+            self.frontend.observe_chunk(0.01, 0.0, 1)
+            tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=osl))
+
+    async def round(self) -> Round:
+        pages = {FRONTEND: self.frontend.render().decode(),
+                 ROUTER: generate_latest(self.router.registry).decode()}
+        scrape = parse_scrape({u: t for u, t in pages.items() if u not in self.down}, self.now)
+        self.now += 2.0
+        return Round(scrape, {u: "down" for u in self.down})
+
+
+class Recorded(Connector):
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes = sizes
+        self.calls: list[tuple[str, int, list[str]]] = []
+
+    async def actual(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    async def scale(self, pool: str, target: int, remove: Sequence[str] = ()) -> None:
+        self.calls.append((pool, target, list(remove)))
+        self.sizes[pool] = target
+
+
+def planner(pages: Pages, connector: Connector, report: ReportWriter | None = None,
+            **plan: object) -> PlannerLoop:
+    config = planner_config_from_dict({
+        "interval_s": 2, "correction_alpha": 0, "predictor_window": 1, "pools": [
+            {"name": "decode", "role": "agg", "ttft_target_ms": 1000, "itl_target_ms": 20,
+             "max_workers": 4}], **plan})
+    return PlannerLoop(config, {p.name: PoolModel(PROFILE) for p in config.pools}, connector,
+                       pages, [FRONTEND], PlannerMetrics(), report)  # type: ignore[arg-type]
+
+
+async def test_it_grows_a_pool_under_load_and_shrinks_it_cheapest_worker_first(
+        tmp_path: pathlib.Path) -> None:
+    pages, connector = Pages(), Recorded({"decode": 1})
+    report = ReportWriter(str(tmp_path / "status.json"), 2.0)
+    loop = planner(pages, connector, report)
+    assert await loop.step() is None  # the first round is the baseline
+    pages.serve(22)  # 11 req/s x OSL 50 x 20 ms = 11 streams, 4 per worker: 2.75 workers
+    decision = await loop.step()
+    assert decision is not None and decision.targets() == {"decode": 3}
+    assert connector.calls == [("decode", 3, [])]
+    body = read_report(str(tmp_path / "status.json"))
+    assert body is not None and body["targets"] == {"decode": 3}
+    assert body["decisions"][-1]["pools"][0]["reason"].startswith("scale up 1 -> 3")
+    assert "decode 1 (target 3)" in format_report(body)  # as it was when it decided
+    # Idle: after the scale-down window (2 intervals) and the cooldown (2), back to 1; the
+    # connector is told to remove the workers holding the fewest cached blocks first.
+    pages.workers = {"127.0.0.1:1": ("decode", 50, 0), "127.0.0.1:2": ("decode", 5, 0),
+                     "127.0.0.1:3": ("decode", 5, 1)}
+    targets = [(await loop.step()).targets()["decode"] for _ in range(4)]  # type: ignore[union-attr]
+    assert targets == [3, 3, 1, 1]
+    assert connector.calls[-1] == ("decode", 1, ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:1"])
+
+
+async def test_an_interval_without_the_frontend_page_is_not_decided_on() -> None:
+    pages, connector = Pages(), Recorded({"decode": 1})
+    loop = planner(pages, connector)
+    await loop.step()
+    pages.down = {FRONTEND}
+    pages.serve(24)
+    assert await loop.step() is None and connector.calls == []
+    pages.down = set()
+    # The next complete round is compared with the last complete one: 24 requests over 4 s.
+    decision = await loop.step()
+    assert decision is not None and decision.pools[0].demand == pytest.approx(1.5, rel=1e-3)
+
+
+async def test_a_restarted_planner_takes_the_deployment_as_it_finds_it() -> None:
+    pages, connector = Pages(), Recorded({"decode": 3})
+    loop = planner(pages, connector)
+    await loop.step()
+    pages.serve(17)  # 8.5 req/s: 2.1 workers' worth, 2.6 with the 20% headroom: keep 3
+    decision = await loop.step()
+    assert decision is not None and decision.pools[0].previous == 3
+    assert decision.targets() == {"decode": 3} and connector.calls == []
+
+
+def test_traffic_splits_between_pools_of_a_role_by_the_routers_decisions() -> None:
+    config = planner_config_from_dict({"pools": [
+        {"name": "fast", "role": "decode", "itl_target_ms": 10},
+        {"name": "slow", "role": "decode", "itl_target_ms": 50},
+        {"name": "prefill", "role": "prefill", "ttft_target_ms": 500}]})
+    router = RouterMetrics()
+    before = parse_scrape({ROUTER: generate_latest(router.registry).decode()}, 0)
+    for pool, count in (("fast", 3), ("slow", 1)):
+        for _ in range(count):
+            router.decisions.labels(pool, "w").inc()
+    after = parse_scrape({ROUTER: generate_latest(router.registry).decode()}, 2)
+    assert routed_shares(config, before, after) == {"fast": 0.75, "slow": 0.25, "prefill": 1.0}
+    assert routed_shares(config, after, after)["fast"] == 0.5  # no decision: equal shares
+
+
+def test_removal_reads_each_pools_workers_from_the_router_page() -> None:
+    router = RouterMetrics()
+    router.watch_index(lambda: {"a:1": ("decode", 10, 2), "b:1": ("decode", 10, 0),
+                                "c:1": ("prefill", 0, 0)})
+    workers = pool_workers(parse_scrape({ROUTER: generate_latest(router.registry).decode()},
+                                        0))
+    assert workers["decode"] == {"a:1": RemovalCost(10, 2), "b:1": RemovalCost(10, 0)}
+    assert removal_order(workers["decode"]) == ["b:1", "a:1"]
+    assert list(workers["prefill"]) == ["c:1"]
+
+
+def test_the_report_is_json_a_person_can_read(tmp_path: pathlib.Path) -> None:
+    writer = ReportWriter(str(tmp_path / "r.json"), 30.0)
+    writer.note("took its first metrics")
+    body = json.loads((tmp_path / "r.json").read_text())
+    assert body["note"] == "took its first metrics" and body["decisions"] == []
+    assert "no decision yet" in format_report(body)
+    assert read_report(str(tmp_path / "missing.json")) is None
