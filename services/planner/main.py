@@ -78,7 +78,8 @@ async def serve(config: PlannerServiceConfig) -> None:
               if config.status_file else None)
     planner = PlannerLoop(config.plan, models, connector, scraper, config.frontend_metrics_urls,
                           metrics, report, config.model or None)
-    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s),
+    service = GrpcService(ServerOptions(config.host, config.port, config.grace_period_s,
+                                        tls=config.tls),
                           service_names=[])
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []

@@ -24,6 +24,7 @@ from tandem.errors import InvalidRequest
 from tandem.planner.config import PlannerConfig
 from tandem.planner.demand import PoolModel, check_model
 from tandem.planner.profile import read_profile
+from tandem.runtime.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class PlannerServiceConfig:
     #: Log format: text (one line per event, for a person), json (one object per line, for
     #: collectors) or auto (text when stderr is a terminal, else json).
     log_format: str = "auto"
+    # == security ==
+    #: TLS/mTLS on the planner's gRPC port (--tls-*); its metrics scrapes are plain HTTP as
+    #: every service's metrics port is.
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def check(self) -> None:
         """Raises InvalidRequest naming the setting the planner cannot start without (the
