@@ -1,0 +1,1 @@
+"""Tools for Tandem's developers (documentation generators); nothing here runs in a service."""
