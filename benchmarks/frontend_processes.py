@@ -31,9 +31,11 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from _procstats import CLK_TCK, machine_ticks, read_stat
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._procstats import CLK_TCK, machine_ticks, read_stat  # noqa: E402
+
 READY_TIMEOUT_S = 180
 
 

@@ -278,7 +278,7 @@ async def main_async(args: argparse.Namespace) -> None:
     host.install()
     phases = None
     if args.phases:
-        from benchmarks.step_phases import StepPhases
+        from benchmarks.probes.step_phases import StepPhases
         phases = StepPhases(engine)
         phases.install()
     modes = run_modes(args)
@@ -351,9 +351,9 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def print_phases(streams: list[int], modes: tuple[str, ...],
                  rows: dict[tuple[int, str], list[dict]]) -> None:
-    """benchmarks/step_phases.py's table: per stream count and mode, the median over rounds of
+    """benchmarks/probes/step_phases.py's table: per stream count and mode, the median over rounds of
     each round's median ms per step."""
-    from benchmarks.step_phases import table
+    from benchmarks.probes.step_phases import table
 
     out = []
     for n in streams:
@@ -362,7 +362,7 @@ def print_phases(streams: list[int], modes: tuple[str, ...],
             keys = {k for s in summaries for k in s}
             out.append((f"{n} {mode}",
                         {k: statistics.median(s[k] for s in summaries if k in s) for k in keys}))
-    print("\nphases of the steps launched ahead, ms per step (benchmarks/step_phases.py)\n")
+    print("\nphases of the steps launched ahead, ms per step (benchmarks/probes/step_phases.py)\n")
     print(table(out))
 
 
@@ -459,7 +459,7 @@ def main() -> None:
     parser.add_argument("--padded-vocab", action="store_true",
                         help="xgrammar on the model's whole vocabulary, as before issue 25")
     parser.add_argument("--phases", action="store_true",
-                        help="time each phase of the steps launched ahead (benchmarks/step_phases.py)")
+                        help="time each phase of the steps launched ahead (benchmarks/probes/step_phases.py)")
     parser.add_argument("--per-row-noise", action="store_true",
                         help="the sampler's noise one row at a time, as before draw_noise")
     parser.add_argument("--no-host-wait", action="store_true",

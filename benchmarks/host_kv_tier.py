@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.serve_load import pct  # noqa: E402
+
 if TYPE_CHECKING:
     from tests.e2e.topology import Topology
 
@@ -173,11 +175,6 @@ def worker_counters(address: str) -> dict[str, float]:
             "host_hit_rate": s.kv_host_hit_rate, "host_blocks_used": s.kv_host_blocks_used}
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def mock_main(args: argparse.Namespace) -> None:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-host-tier-"))
     model = model_dir(workdir)
@@ -214,7 +211,7 @@ def mock_main(args: argparse.Namespace) -> None:
         out_tokens = sum(t.output_tokens for t in ok)
         cached = sum(t.cached_tokens for t in ok) / max(sum(t.prompt_tokens for t in ok), 1)
         p50s[run.mode] = statistics.median(later)
-        print(f"{run.mode:8} {p50s[run.mode] * 1000:>12.0f} {pct(later, 0.99) * 1000:>12.0f} "
+        print(f"{run.mode:8} {p50s[run.mode] * 1000:>12.0f} {pct(later, 99) * 1000:>12.0f} "
               f"{statistics.median(t.ttft_s for t in ok) * 1000:>13.0f} "
               f"{out_tokens / run.wall_s:>10.0f} {cached * 100:>9.1f} "
               f"{run.worker['offload_blocks']:>12.0f} {run.worker['onboard_blocks']:>12.0f} "

@@ -22,16 +22,21 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import resource
 import statistics
+import sys
 import time
 
-from tandem.engines.types import BlockRemoved, BlockStored, KvEvent
-from tandem.kv.hashing import block_hashes
-from tandem.routing.policies import KvPolicy
-from tandem.routing.prefix_index import PrefixIndex
-from tandem.routing.workers import RouteContext, WorkerRef, WorkerState
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve_load import pct  # noqa: E402
+from tandem.engines.types import BlockRemoved, BlockStored, KvEvent  # noqa: E402
+from tandem.kv.hashing import block_hashes  # noqa: E402
+from tandem.routing.policies import KvPolicy  # noqa: E402
+from tandem.routing.prefix_index import PrefixIndex  # noqa: E402
+from tandem.routing.workers import RouteContext, WorkerRef, WorkerState  # noqa: E402
 
 BS = 16
 NUM_WORKERS = 64
@@ -67,11 +72,6 @@ def build(rng: random.Random) -> tuple[PrefixIndex, list[int], list[list[int]],
         index.apply(rng.choice(homes[g]), [stored(convo, None)])
         conversations.append(convo)
     return index, system, groups, conversations, ids
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def time_decisions(policy: KvPolicy, workers: list[WorkerState],
@@ -160,10 +160,10 @@ def main() -> None:
         times, overlap = time_decisions(policy, workers, prompts)
         every += times
         blocks = statistics.mean(len(p) for p in prompts)
-        print(f"| {kind} | {blocks:.0f} | {overlap:.1f} | {percentile(times, 0.5):.3f} ms | "
-              f"{percentile(times, 0.99):.3f} ms | {max(times):.3f} ms |")
-    print(f"| **all kinds** | | | **{percentile(every, 0.5):.3f} ms** | "
-          f"**{percentile(every, 0.99):.3f} ms** | {max(every):.3f} ms |")
+        print(f"| {kind} | {blocks:.0f} | {overlap:.1f} | {pct(times, 50):.3f} ms | "
+              f"{pct(times, 99):.3f} ms | {max(times):.3f} ms |")
+    print(f"| **all kinds** | | | **{pct(every, 50):.3f} ms** | "
+          f"**{pct(every, 99):.3f} ms** | {max(every):.3f} ms |")
 
     tokens = [rng.randrange(32_000) for _ in range(128 * BS)]
     t0 = time.perf_counter()

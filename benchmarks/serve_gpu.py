@@ -85,7 +85,7 @@ def kv_blocks(grid: dict) -> int:
 async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
                   warmup: bool = True, max_num_tokens: int = EngineArgs.max_num_tokens) -> dict:
     """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
-    from benchmarks.mixed_gpu import closed_loop
+    from benchmarks.serve_load import closed_loop
     from tandem.engines.reference.engine import create_reference_engine
 
     batches = sorted({c for points in grid.values() for c, _ in points})
@@ -174,7 +174,7 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
     print("$ " + " ".join([*(f"{k}={v}" for k, v in assigned.items()), *argv[1:]]), flush=True)
     handle = log.open("w")
     env = {**os.environ, **assigned}
-    if args.trace:  # every span to the log at exit (benchmarks/ttft_split.py reads them)
+    if args.trace:  # every span to the log at exit (benchmarks/probes/ttft_split.py reads them)
         env.update(OTEL_TRACES_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="3600000",
                    OTEL_BSP_MAX_QUEUE_SIZE="1000000", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1000000")
     proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
@@ -337,10 +337,10 @@ def alternate(url: str, model: pathlib.Path, args: argparse.Namespace, grid: dic
 
 
 def print_ttft_split(log: pathlib.Path, grid: dict, stack: dict) -> None:
-    """--trace: each traced request's TTFT split by hop (benchmarks/ttft_split.py); when the
+    """--trace: each traced request's TTFT split by hop (benchmarks/probes/ttft_split.py); when the
     stack served one point only, that point's requests with the client's TTFTs, and how each
     run's first wave reached the worker."""
-    from benchmarks import ttft_split
+    from benchmarks.probes import ttft_split
 
     found = ttft_split.spans(log.read_text(errors="replace"))
     rows = ttft_split.split(found)

@@ -1,12 +1,15 @@
-"""The load generator of benchmarks/serve_gpu.py: streamed chat completions over aiohttp.
+"""The benchmarks' shared load generators and statistics (every other script imports from here,
+this module from no other benchmark at import time).
 
-`drive` sends n requests over C streams (each stream sends its next request when its last
-ends) from this process, or from several (`processes`): one Python process spends a fraction
-of a millisecond of its own on each request it issues, so a burst of 64 leaves it over
-20-50 ms (benchmarks/RESULTS.md, "Serving on the GPU", rounds 8 and 9), and that spread is the
-client's, not the stack's. Processes split the streams and the prompts round-robin, start
-together (a barrier, after each opened its connections when asked to) and time with the
-system-wide monotonic clock, so their figures merge as one run's.
+`drive` sends n streamed chat completions over aiohttp on C streams (each stream sends its next
+request when its last ends) from this process, or from several (`processes`): one Python process
+spends a fraction of a millisecond of its own on each request it issues, so a burst of 64 leaves
+it over 20-50 ms (benchmarks/history/gpu-serving.md, "Serving on the GPU", rounds 8 and 9), and
+that spread is the client's, not the stack's. Processes split the streams and the prompts
+round-robin, start together (a barrier, after each opened its connections when asked to) and
+time with the system-wide monotonic clock, so their figures merge as one run's. `closed_loop`
+sends the same kind of load to an engine in this process (the engine alone, for comparison);
+`pct`, `summarize` and `meets_sla` are the statistics both report.
 """
 from __future__ import annotations
 
@@ -254,3 +257,49 @@ def summarize(results: list[dict], wall: float) -> dict:
             "sla_ok": met, "goodput_rps": met / wall}
 
 
+async def closed_loop(engine, isl: int, osl: int, concurrency: int, requests: int,
+                      vocab: int, seed: int) -> dict:
+    """C streams (`concurrency`), each sending its next request of `isl` random prompt tokens
+    and `osl` output tokens (greedy, ignore_eos) as soon as its last ended, straight to
+    `engine` in this process: the engine alone under the load `drive` sends over HTTP."""
+    from benchmarks.reference_gpu import sync
+    from tandem.engines.types import EngineRequest, SamplingParams
+
+    rng = random.Random(seed)
+    queue = [[rng.randrange(5, vocab - 5) for _ in range(isl)] for _ in range(requests)]
+    params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
+    ttft: list[float] = []
+    gaps: list[float] = []
+    per_request: list[float] = []  # (last token - first token) / (tokens - 1), as aiperf's ITL
+    tokens = 0
+
+    async def stream_worker(index: int) -> None:
+        nonlocal tokens
+        while queue:
+            prompt = queue.pop()
+            sent = time.perf_counter()
+            first = last = None
+            count = 0
+            async for chunk in engine.add_request(EngineRequest(
+                    f"m{seed}-{index}-{len(queue)}", tuple(prompt), params)):
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(1000 * (now - sent))
+                    first = now
+                elif chunk.token_ids:
+                    gaps.append(1000 * (now - last) / len(chunk.token_ids))
+                last = now
+                tokens += len(chunk.token_ids)
+                count += len(chunk.token_ids)
+            if first is not None and last is not None and count > 1:
+                per_request.append(1000 * (last - first) / (count - 1))
+
+    sync()
+    start = time.perf_counter()
+    await asyncio.gather(*(stream_worker(i) for i in range(concurrency)))
+    sync()
+    wall = time.perf_counter() - start
+    fig = {"tps": tokens / wall, "wall_s": wall, "ttft_p50": pct(ttft, 50),
+           "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
+           "request_itl_p50": pct(per_request, 50), "ttft_ms": [round(t, 2) for t in ttft]}
+    return fig

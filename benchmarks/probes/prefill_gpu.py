@@ -1,6 +1,6 @@
 """What a prefill step of the 8B shape costs, on the host and on the device (a tool, not a test).
 
-    PYTHONPATH=. python3 benchmarks/prefill_gpu.py [--profile 1x200]
+    PYTHONPATH=. python3 benchmarks/probes/prefill_gpu.py [--profile 1x200]
 
 The served 64-stream burst's first step often holds one 200-token prompt alone, and took ~30 ms
 on an H100 (issue 25), against ~5 ms of weights to read and ~5 ms of matmuls. For each batch x

@@ -18,8 +18,8 @@ for each token budget (`--max-num-tokens`). Also the pure-decode step rate at ba
 
 Prints a markdown table and writes it with every figure as JSON into --out ($OUT by default).
 
-    PYTHONPATH=. python3 benchmarks/mixed_gpu.py             # on a CUDA machine (~4 min)
-    PYTHONPATH=. python3 benchmarks/mixed_gpu.py --smoke     # tiny model on the CPU
+    PYTHONPATH=. python3 benchmarks/probes/mixed_gpu.py             # on a CUDA machine (~4 min)
+    PYTHONPATH=. python3 benchmarks/probes/mixed_gpu.py --smoke     # tiny model on the CPU
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from benchmarks.reference_gpu import BLOCK, LLAMA_8B, SMALL, sync, write_config  # noqa: E402
-from benchmarks.serve_gpu import pct  # noqa: E402
+from benchmarks.serve_load import closed_loop, pct  # noqa: E402
 
 
 def dropping_decode_part(build):
@@ -47,50 +47,6 @@ def dropping_decode_part(build):
         inputs.meta = dataclasses.replace(inputs.meta, decode_part=None)
         return inputs
     return build_loop
-
-
-async def closed_loop(engine, isl: int, osl: int, concurrency: int, requests: int,
-                      vocab: int, seed: int) -> dict:
-    from tandem.engines.types import EngineRequest, SamplingParams
-
-    rng = random.Random(seed)
-    queue = [[rng.randrange(5, vocab - 5) for _ in range(isl)] for _ in range(requests)]
-    params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
-    ttft: list[float] = []
-    gaps: list[float] = []
-    per_request: list[float] = []  # (last token - first token) / (tokens - 1), as aiperf's ITL
-    tokens = 0
-
-    async def stream_worker(index: int) -> None:
-        nonlocal tokens
-        while queue:
-            prompt = queue.pop()
-            sent = time.perf_counter()
-            first = last = None
-            count = 0
-            async for chunk in engine.add_request(EngineRequest(
-                    f"m{seed}-{index}-{len(queue)}", tuple(prompt), params)):
-                now = time.perf_counter()
-                if last is None:
-                    ttft.append(1000 * (now - sent))
-                    first = now
-                elif chunk.token_ids:
-                    gaps.append(1000 * (now - last) / len(chunk.token_ids))
-                last = now
-                tokens += len(chunk.token_ids)
-                count += len(chunk.token_ids)
-            if first is not None and last is not None and count > 1:
-                per_request.append(1000 * (last - first) / (count - 1))
-
-    sync()
-    start = time.perf_counter()
-    await asyncio.gather(*(stream_worker(i) for i in range(concurrency)))
-    sync()
-    wall = time.perf_counter() - start
-    fig = {"tps": tokens / wall, "wall_s": wall, "ttft_p50": pct(ttft, 50),
-           "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
-           "request_itl_p50": pct(per_request, 50), "ttft_ms": [round(t, 2) for t in ttft]}
-    return fig
 
 
 async def pure_decode(engine, isl: int, batch: int, vocab: int) -> float:

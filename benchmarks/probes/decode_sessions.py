@@ -5,17 +5,21 @@ alike. Per variant: throughput, TTFT and ITL p50 (from the load generator of
 benchmarks/frontend_processes.py), and the CPU time of every process per 1,000 output tokens.
 
 Usage (from the repository root):
-    .venv/bin/python benchmarks/decode_sessions.py                           # speedup 1, 128 streams
-    .venv/bin/python benchmarks/decode_sessions.py --speedup 0 --connections 32
+    .venv/bin/python benchmarks/probes/decode_sessions.py                           # speedup 1, 128 streams
+    .venv/bin/python benchmarks/probes/decode_sessions.py --speedup 0 --connections 32
 """
 from __future__ import annotations
 
 import argparse
 import pathlib
 import statistics
+import sys
 
-from frontend_processes import run_one
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from benchmarks.frontend_processes import run_one  # noqa: E402
 
 VARIANTS = {"Decode.Session (default)": {"TANDEM_DECODE_SESSIONS": "true"},
             "Decode.Generate per request": {"TANDEM_DECODE_SESSIONS": "false"}}

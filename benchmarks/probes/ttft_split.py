@@ -16,7 +16,7 @@ With --wave N, how the first N requests (a burst) reach the worker, hop by hop. 
 also the engine's steps (`engine.step` spans): which step admitted and finished
 which prompts, and how long each took.
 
-    python3 benchmarks/ttft_split.py LOG [--client-ttft-ms 30.4 ...] [--wave 64] [--steps]
+    python3 benchmarks/probes/ttft_split.py LOG [--client-ttft-ms 30.4 ...] [--wave 64] [--steps]
 """
 from __future__ import annotations
 

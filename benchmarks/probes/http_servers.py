@@ -50,9 +50,9 @@ to the versions in Tandem's virtualenv):
 Usage (from the repository root; a server whose packages are missing is skipped with a line
 saying so, e.g. uvicorn and granian under Tandem's own .venv):
 
-    /tmp/httpbench-venv/bin/python benchmarks/http_servers.py              # 3 rounds, ~12 min
-    /tmp/httpbench-venv/bin/python benchmarks/http_servers.py --quick      # smoke, ~1 min
-    /tmp/httpbench-venv/bin/python benchmarks/http_servers.py --json /tmp/http_servers.json
+    /tmp/httpbench-venv/bin/python benchmarks/probes/http_servers.py              # 3 rounds, ~12 min
+    /tmp/httpbench-venv/bin/python benchmarks/probes/http_servers.py --quick      # smoke, ~1 min
+    /tmp/httpbench-venv/bin/python benchmarks/probes/http_servers.py --json /tmp/http_servers.json
 """
 from __future__ import annotations
 
@@ -73,7 +73,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _procstats import CLK_TCK, descendants, read_stat
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._procstats import CLK_TCK, descendants, read_stat  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"

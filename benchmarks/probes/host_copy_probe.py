@@ -20,7 +20,7 @@ median also against one plain pinned copy of the same bytes:
 * `... + compute`: the same while the compute stream runs matrix products.
 
 The kernel's copies are checked bit-exact both ways. Usage (on a CUDA host):
-    python3 benchmarks/host_copy_probe.py
+    python3 benchmarks/probes/host_copy_probe.py
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from tandem.engines.reference.host_kv import HostKvStore, copy_blocks  # noqa: E402
 

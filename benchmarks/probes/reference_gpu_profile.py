@@ -1,6 +1,6 @@
 """Where a decode step of the 8B shape spends its time (a tool, not a test).
 
-    PYTHONPATH=. python3 benchmarks/reference_gpu_profile.py [--batch 64]
+    PYTHONPATH=. python3 benchmarks/probes/reference_gpu_profile.py [--batch 64]
 
 Prints torch.profiler's kernel table for eager decode steps, and the host/GPU split of graphed
 steps (time inside the model call vs the whole engine step).

@@ -2,9 +2,9 @@
 device-to-device copy runs at ~2,000 GB/s. Standalone (PyTorch with CUDA and a nixl wheel; no
 tandem import), one run of about 5 minutes:
 
-    python benchmarks/kv_transfer_gpu.py                # on the GPU host
-    python benchmarks/kv_transfer_gpu.py --device cpu   # the same code paths on DRAM (no GPU)
-    python benchmarks/kv_transfer_gpu.py --dry-run      # the plan and the transport report only
+    python benchmarks/probes/kv_transfer_gpu.py                # on the GPU host
+    python benchmarks/probes/kv_transfer_gpu.py --device cpu   # the same code paths on DRAM (no GPU)
+    python benchmarks/probes/kv_transfer_gpu.py --dry-run      # the plan and the transport report only
 
 It first reports the transport stack: versions, UCX_/NIXL_/CUDA environment, `ucx_info` if it is
 on PATH, else the UCX bundled with the nixl wheel (its version, and whether each of its transport

@@ -9,8 +9,8 @@ built); outputs are English prose from its corpus, and text whose CJK characters
 several tokens. Times are CPU time, the best of --repeats runs of --requests requests each.
 
 Usage (from the repository root):
-    .venv/bin/python benchmarks/detokenize.py
-    .venv/bin/python benchmarks/detokenize.py --baseline /tmp/old_detokenizer.py  # adds a column
+    .venv/bin/python benchmarks/probes/detokenize.py
+    .venv/bin/python benchmarks/probes/detokenize.py --baseline /tmp/old_detokenizer.py  # adds a column
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ iterations between small torch calls (which release the GIL) for the whole run. 
 interval: bytes written, reads the loop managed (each read takes every byte queued), and the
 read latency p50 / p99 / max.
 
-    .venv/bin/python benchmarks/gil_handoff.py
+    .venv/bin/python benchmarks/probes/gil_handoff.py
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ resumes. Prints, per prompt length: greedy tokens disaggregated == aggregated, t
 moved, and the decode worker's time from admission to the first token (the read plus one
 schedule) next to an aggregated prefill of the same prompt.
 
-    PYTHONPATH=. python3 benchmarks/disagg_gpu.py            # on a CUDA machine, ~2 min
-    PYTHONPATH=. python3 benchmarks/disagg_gpu.py --small    # CPU smoke run of the script
+    PYTHONPATH=. python3 benchmarks/probes/disagg_gpu.py            # on a CUDA machine, ~2 min
+    PYTHONPATH=. python3 benchmarks/probes/disagg_gpu.py --small    # CPU smoke run of the script
 """
 from __future__ import annotations
 
