@@ -115,7 +115,7 @@ async def test_connectors_are_picked_by_name(tmp_path: pathlib.Path) -> None:
 
 
 def test_the_readmes_plan_is_a_valid_plan() -> None:
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
     block = "# plan.yaml:" + readme.split("```yaml\n# plan.yaml:", 1)[1].split("```", 1)[0]
     plan = planner_config_from_dict(yaml.safe_load(block))
     assert [p.name for p in plan.pools] == ["decode"] and plan.gpu_budget == 4

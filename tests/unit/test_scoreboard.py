@@ -31,10 +31,13 @@ def test_every_result_names_its_command_date_and_round() -> None:
         assert script and script.group(0).split("/")[-1] in history.read_text(), r.name
 
 
-def test_results_md_table_equals_the_generated_one() -> None:
+def test_results_md_and_readme_tables_equal_the_generated_ones() -> None:
     text = scoreboard.RESULTS_MD.read_text(encoding="utf-8")
     assert scoreboard.current_block(text) == scoreboard.render_table(scoreboard.load_results()), (
         "benchmarks/RESULTS.md's scoreboard is stale: run python -m benchmarks.scoreboard")
+    readme = scoreboard.README_MD.read_text(encoding="utf-8")
+    assert scoreboard.current_block(readme) == scoreboard.render_readme_table(
+        scoreboard.load_results()), "README.md's scoreboard is stale: run python -m benchmarks.scoreboard"
     for r in scoreboard.load_results():
         row = next(line for line in text.splitlines() if line.startswith(f"| {r.measure[:40]}"))
         assert r.date in row and r.command.split()[0] in row

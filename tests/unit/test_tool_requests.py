@@ -1,5 +1,5 @@
 """Requests with tools, tool messages, template variables, and the explicit lists of accepted
-and refused fields (tandem.frontend.request_fields), kept equal to the README's."""
+and refused fields (tandem.frontend.request_fields), kept equal to docs/api/openai.md's."""
 from __future__ import annotations
 
 import json
@@ -252,8 +252,8 @@ def test_ignored_and_unknown_fields_are_accepted_and_unknown_ones_logged(
 
 
 def test_readme_lists_exactly_the_ignored_and_refused_fields() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Request fields", 1)[1].split("\n## ", 1)[0]
+    readme = (ROOT / "docs" / "api" / "openai.md").read_text(encoding="utf-8")
+    section = readme.split("## Request fields", 1)[1].split("\n## ", 1)[0]
     bullets = [" ".join(b.split()) for b in section.split("\n- ")[1:]]
     ignored = next(b for b in bullets if b.startswith("Accepted and ignored:"))
     refused = next(b for b in bullets if b.startswith("Refused"))
