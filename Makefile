@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tandem-installed
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 NODE_CLIENT := tests/node/node_modules/.package-lock.json
 
-.PHONY: install up test lint test-unit bench clean compose-test
+.PHONY: install up test lint test-unit bench clean compose-test docs
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ compose-test: install
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# docs/configuration.md from the config classes, and the scoreboard (README.md,
+# benchmarks/RESULTS.md, benchmarks/plots/) from benchmarks/results/; tests check both.
+docs: install
+	$(PY) -m tandem.devtools.configdoc
+	$(PY) -m benchmarks.scoreboard
 
 bench: install
 	bash benchmarks/setup_aiperf.sh
