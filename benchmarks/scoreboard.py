@@ -9,6 +9,8 @@ the benchmark itself. `points` (optional) holds the series a plot draws.
 
     python -m benchmarks.scoreboard            # rewrite the tables and the plots
     python -m benchmarks.scoreboard --check    # exit 1 when a table is stale
+    python -m benchmarks.scoreboard --from-serve-gpu OUT/serve_gpu.json --date ... \\
+        --command "..." --source "history/gpu-serving.md#..."   # the GPU grid from a run
 
 tests/unit/test_scoreboard.py checks that every row names its command and date and that
 RESULTS.md's table equals the one rendered here. Plots need matplotlib (the `bench` extra).
@@ -95,6 +97,46 @@ def load_result(path: pathlib.Path) -> Result:
 def load_results(directory: pathlib.Path = RESULTS_DIR) -> list[Result]:
     results = [load_result(p) for p in sorted(directory.glob("*.json"))]
     return sorted(results, key=lambda r: (r.order, r.name))
+
+
+def grid_from_serve_gpu(run: dict[str, Any], variant: str = "default") -> dict[str, Any]:
+    """The `points` and `figure` of results/gpu-grid.json from serve_gpu.py's serve_gpu.json:
+    each served point against the engine's closed loop (the same streams in process)."""
+    served, engine = run["served"][variant], run["engine"]
+    points = []
+    for key, s in served.items():
+        closed = engine.get(key, {}).get("closed")
+        if not closed or s.get("skipped"):
+            continue
+        isl, osl, streams = key.split("/")
+        points.append({"isl_osl": f"{isl}/{osl}", "streams": int(streams),
+                       "served_tok_s": round(s["tps"]), "engine_tok_s": round(closed["tps"]),
+                       "ttft_p50_ms": round(s["ttft_p50"], 1),
+                       "engine_ttft_p50_ms": round(closed["ttft_p50"], 1),
+                       "itl_p50_ms": round(s["itl_p50"], 2),
+                       "engine_itl_p50_ms": round(closed["request_itl_p50"], 2)})
+    if not points:
+        raise ResultError(f"serve_gpu.json has no served point of variant {variant!r}")
+    eff = [p["served_tok_s"] / p["engine_tok_s"] for p in points]
+    ttft = [p["ttft_p50_ms"] / p["engine_ttft_p50_ms"] for p in points]
+    itl = [p["itl_p50_ms"] / p["engine_itl_p50_ms"] for p in points]
+    figure = (f"throughput {min(eff):.0%}-{max(eff):.0%} of the engine alone; TTFT p50 "
+              f"{min(ttft):.2f}-{max(ttft):.2f}x, ITL p50 {min(itl):.2f}-{max(itl):.2f}x the engine's")
+    return {"points": points, "figure": figure}
+
+
+def import_serve_gpu(path: pathlib.Path, date: str, command: str, source: str,
+                     machine: str = "", variant: str = "default",
+                     out: pathlib.Path = RESULTS_DIR / "gpu-grid.json") -> Result:
+    """Rewrites results/gpu-grid.json from a serve_gpu.py run (not transcribed)."""
+    run = json.loads(path.read_text(encoding="utf-8"))
+    row = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {
+        "order": 1, "measure": "Served on a GPU: `tandem up` against the engine alone",
+        "compared_with": "the engine alone (same streams, in process, same call)"}
+    row.update(grid_from_serve_gpu(run, variant), date=date, command=command, source=source,
+               machine=machine or run["device"], transcribed=False)
+    out.write_text(json.dumps(row, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return load_result(out)
 
 
 def anchor(heading: str) -> str:
@@ -221,8 +263,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when RESULTS.md's or README.md's table differs from the results")
     parser.add_argument("--no-plots", action="store_true", help="leave the PNGs alone")
+    parser.add_argument("--from-serve-gpu", type=pathlib.Path, metavar="SERVE_GPU_JSON",
+                        help="first rewrite results/gpu-grid.json from serve_gpu.py's output; "
+                             "needs --date, --command and --source (--machine: its device)")
+    parser.add_argument("--date", help="with --from-serve-gpu: the run's day, YYYY-MM-DD")
+    parser.add_argument("--command", help="with --from-serve-gpu: the command that ran")
+    parser.add_argument("--source", help="with --from-serve-gpu: history/FILE.md#Heading")
+    parser.add_argument("--machine", default="", help="with --from-serve-gpu: the machine")
     args = parser.parse_args(argv)
     try:
+        if args.from_serve_gpu:
+            if not (args.date and args.command and args.source):
+                parser.error("--from-serve-gpu needs --date, --command and --source")
+            import_serve_gpu(args.from_serve_gpu, args.date, args.command, args.source,
+                             args.machine)
         results = load_results()
         pages = {RESULTS_MD: render_table(results), README_MD: render_readme_table(results)}
         if args.check:

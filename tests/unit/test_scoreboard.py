@@ -59,3 +59,26 @@ def test_the_plots_render(tmp_path: pathlib.Path) -> None:
     assert sorted(p.name for p in written) == sorted(png for png, _ in scoreboard.PLOTS.values())
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_the_gpu_grid_row_is_written_from_serve_gpus_output(tmp_path: pathlib.Path) -> None:
+    # The keys serve_gpu.py writes (result["engine"][point]["closed"], result["served"][variant]).
+    run = {"device": "NVIDIA H200",
+           "engine": {"200/200/64": {"tps": 7527.0, "closed": {"tps": 7578.0, "ttft_p50": 214.1,
+                                                                "request_itl_p50": 7.39}},
+                      "200/200/128": {"tps": 10923.0, "closed": {"tps": 11077.0, "ttft_p50": 315.3,
+                                                                  "request_itl_p50": 9.94}}},
+           "served": {"default": {"200/200/64": {"tps": 7448.0, "ttft_p50": 238.4, "itl_p50": 7.46},
+                                  "200/200/128": {"skipped": True}}}}
+    (tmp_path / "serve_gpu.json").write_text(json.dumps(run))
+    out = tmp_path / "gpu-grid.json"
+    result = scoreboard.import_serve_gpu(
+        tmp_path / "serve_gpu.json", "2026-11-30", "PYTHONPATH=. python3 benchmarks/serve_gpu.py",
+        "history/gpu-serving.md#Serving on the GPU, round 9", out=out)
+    assert not result.transcribed and result.machine == "NVIDIA H200"
+    assert result.points == [{"isl_osl": "200/200", "streams": 64, "served_tok_s": 7448,
+                              "engine_tok_s": 7578, "ttft_p50_ms": 238.4,
+                              "engine_ttft_p50_ms": 214.1, "itl_p50_ms": 7.46,
+                              "engine_itl_p50_ms": 7.39}]
+    assert result.figure == ("throughput 98%-98% of the engine alone; TTFT p50 1.11-1.11x, "
+                             "ITL p50 1.01-1.01x the engine's")
