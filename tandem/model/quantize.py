@@ -94,6 +94,42 @@ def write_fp8_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, fmt: 
     return dst
 
 
+def write_mxfp4_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path) -> pathlib.Path:
+    """Write the gpt-oss checkpoint `src` (float, experts stacked as transformers saves them)
+    to `dst` as OpenAI ships gpt-oss: each expert projection in MXFP4 (`*_blocks`,
+    `*_scales`, stored [E, rows, ...] with rows the output features), the rest as is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tandem.engines.reference.quant import mxfp4
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensor = f.get_tensor(name)
+                if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                    out[name] = tensor
+                    continue
+                # held [E, in, out]; stored [E, out, in / 32, 16]
+                blocks, scales = mxfp4.quantize(tensor.transpose(1, 2))
+                out[name + mxfp4.BLOCKS_SUFFIX] = blocks
+                out[name + mxfp4.SCALES_SUFFIX] = scales
+        save_file(out, str(dst / path.name), metadata={"format": "pt"})
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copyfile(path, dst / path.name)
+    config = json.loads((src / "config.json").read_text("utf-8"))
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
 def _quantization_config(fmt: str, strategy: str, block: tuple[int, int]) -> dict[str, Any]:
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",

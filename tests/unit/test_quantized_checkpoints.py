@@ -1,9 +1,10 @@
-"""FP8 checkpoints in the reference engine on the CPU, in every layout read (compressed-tensors
-per tensor, per channel and per block; fine-grained block FP8; ModelOpt's export): logits equal
-transformers' forward over the same dequantized weights, loaded both ways (dequantized while
-loading, and kept FP8 in Fp8Linear); transformers reading the same files itself agrees; greedy
-tokens of the engine equal transformers' `generate`; malformed and unsupported checkpoints are
-refused by name."""
+"""Quantized checkpoints in the reference engine on the CPU. FP8 in every layout read
+(compressed-tensors per tensor, per channel and per block; fine-grained block FP8; ModelOpt's
+export): logits equal transformers' forward over the same dequantized weights, loaded both ways
+(dequantized while loading, and kept FP8 in Fp8Linear); transformers reading the same files
+itself agrees; greedy tokens of the engine equal transformers' `generate`. gpt-oss with MXFP4
+experts as OpenAI ships it: logits and greedy tokens equal transformers reading the checkpoint
+itself. Malformed and unsupported checkpoints are refused by name."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.quant.fp8 import Fp8Linear
 from tandem.engines.reference.quant.scheme import read_scheme
 from tandem.errors import InvalidRequest
-from tandem.model.quantize import FORMATS, write_fp8_checkpoint
+from tandem.model.quantize import FORMATS, write_fp8_checkpoint, write_mxfp4_checkpoint
 from tandem.model.tiny import write_tiny_model
 from tests.unit.test_reference_engine import engine_for, prompts, run
 from tests.unit.test_reference_model import BLOCK_SIZE, make_step, new_cache
@@ -240,3 +241,56 @@ def test_online_fp8_quantizes_the_projections_per_row(checkpoints: dict[str, pat
     torch.testing.assert_close(
         logits, tandem_logits(checkpoints["llama/ct-channel"], prompt, fp8_layers=True),
         atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("mxfp4")
+    return write_mxfp4_checkpoint(write_tiny_model(root / "float", "gpt_oss", seed=6),
+                                  root / "mxfp4")
+
+
+def test_mxfp4_round_trips_the_values_it_can_hold() -> None:
+    from tandem.engines.reference.quant import mxfp4
+
+    codes = torch.tensor(mxfp4.E2M1)
+    weight = torch.stack([codes.repeat(2) * 2.0 ** e for e in range(-3, 3)])  # [6, 32]
+    blocks, scales = mxfp4.quantize(weight)
+    assert blocks.shape == (6, 1, 16) and scales.shape == (6, 1)
+    torch.testing.assert_close(mxfp4.dequantize(blocks, scales, "w").T, weight, atol=0, rtol=0)
+
+
+def test_mxfp4_gpt_oss_equals_transformers_reading_it(gpt_oss_mxfp4: pathlib.Path) -> None:
+    """transformers dequantizes the MXFP4 experts itself (on the CPU): the logits of a prompt
+    and the engine's greedy tokens equal its model's."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gpt_oss_mxfp4),
+                                                           dtype=torch.float32).eval()
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    prompt = tokens(30, seed=4)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(tandem_logits(gpt_oss_mxfp4, prompt, fp8_layers=False),
+                               expected, atol=ATOL, rtol=0)
+    float_hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gpt_oss_mxfp4.parent / "float"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(float_hf(torch.tensor([prompt])).logits[0], expected,
+                                  atol=ATOL, rtol=0)
+
+
+async def test_mxfp4_gpt_oss_greedy_tokens_equal_transformers(gpt_oss_mxfp4: pathlib.Path
+                                                             ) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gpt_oss_mxfp4),
+                                                           dtype=torch.float32).eval()
+    engine = engine_for(gpt_oss_mxfp4)
+    await engine.start()
+    try:
+        batch = prompts(engine.vocab_size, [6, 19], seed=8)
+        results = await run(engine, batch)
+    finally:
+        await engine.close()
+    for prompt, (got, _) in zip(batch, results, strict=True):
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got == out[0, len(prompt):].tolist()

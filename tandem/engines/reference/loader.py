@@ -21,7 +21,12 @@ from tandem.engines.reference.parallel import shard
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.quant.fp8 import fp8_gemm_supported, swap_linears
 from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
-from tandem.engines.reference.quant.reader import QuantReader, is_scale, weight_of_scale
+from tandem.engines.reference.quant.reader import (
+    QuantReader,
+    is_scale,
+    weight_of_scale,
+    without_blocks,
+)
 from tandem.engines.reference.quant.scheme import read_scheme
 from tandem.engines.reference.spec import ModelSpec
 from tandem.engines.reference.vision import LlavaVision, VisionSpec
@@ -97,6 +102,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
                                            if spec.base_model else _same_name)
     if spec.family == "mixtral":
         rename = _then_mixtral_name(rename)
+    if scheme is not None and scheme.method == "mxfp4":
+        rename = without_blocks(rename)
     names: set[str | None] = set()
     if load_format != "dummy":
         files = checkpoint_index(root)
@@ -138,7 +145,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         # gpt-oss has only the stacked layout (its MXFP4 originals are refused here).
         stacked = spec.moe_kind == "gpt_oss" or any(
             n is not None and n.endswith(".experts.gate_up_proj") for n in names)
-        if spec.moe_kind == "gpt_oss":
+        if spec.moe_kind == "gpt_oss" and (scheme is None or scheme.method != "mxfp4"):
             _refuse_mxfp4(names)
         reader = QuantReader(scheme, read_scales(files, rename, device)) if scheme else None
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
@@ -147,13 +154,13 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
 
 
 def _refuse_mxfp4(names: set[str | None]) -> None:
-    """gpt-oss as OpenAI publishes it keeps its experts in MXFP4 (`*_blocks`, `*_scales`)."""
+    """MXFP4 experts (`*_blocks`, `*_scales`) in a checkpoint whose config.json does not say
+    so (gpt-oss as OpenAI ships it has `quantization_config: {quant_method: mxfp4}`)."""
     if any(n is not None and n.endswith(("_proj_blocks", "_proj_scales")) for n in names):
         raise InvalidRequest("this gpt-oss checkpoint holds MXFP4-quantized experts "
-                             "(`*_blocks`/`*_scales`), which the reference engine does not "
-                             "read; dequantize it to bfloat16 first (transformers: "
-                             "Mxfp4Config(dequantize=True), then save_pretrained)",
-                             param="model")
+                             "(`*_blocks`/`*_scales`) but its config.json has no "
+                             "quantization_config with quant_method mxfp4; add it as the "
+                             "published checkpoint has it", param="model")
 
 
 def load_vision(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
@@ -362,6 +369,8 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if target is None:
                     continue
                 tensor = f.get_tensor(name)
+                if quant is not None:
+                    tensor = quant.prepare(canonical[name] or name, tensor)
                 if cut is not None:
                     tensor = cut(canonical[name] or "", tensor)
                 param: torch.Tensor = params[target.name]

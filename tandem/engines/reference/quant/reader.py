@@ -3,7 +3,8 @@
 An FP8 weight goes into an Fp8Linear as it is, its scale into the rows of `weight_scale` that
 its part of a fused projection covers (a per-tensor scale repeated over them); into a float
 parameter (the CPU, MoE experts) it goes dequantized. A float weight bound for an Fp8Linear
-(`--quantization fp8`) is quantized per row on the way in.
+(`--quantization fp8`) is quantized per row on the way in. MXFP4 experts are dequantized
+(quant.mxfp4).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from tandem.engines.reference.quant import mxfp4
 from tandem.engines.reference.quant.fp8_format import FP8, dequantize, quantize_rows
 from tandem.engines.reference.quant.scheme import (
     IGNORED_SCALE_SUFFIXES,
@@ -23,16 +25,32 @@ from tandem.errors import InvalidRequest
 SCALE_SUFFIXES = WEIGHT_SCALE_SUFFIXES + IGNORED_SCALE_SUFFIXES
 
 
+_MXFP4_SCALES = "_proj" + mxfp4.SCALES_SUFFIX
+
+
 def is_scale(name: str) -> bool:
-    return name.endswith(SCALE_SUFFIXES)
+    return name.endswith(SCALE_SUFFIXES) or name.endswith(_MXFP4_SCALES)
 
 
 def weight_of_scale(name: str) -> str | None:
-    """`x.weight_scale` or `x.weight_scale_inv` -> `x.weight`; None for other names."""
+    """The tensor a scale belongs to: `x.weight_scale` or `x.weight_scale_inv` -> `x.weight`,
+    MXFP4's `x_proj_scales` -> `x_proj`; None for other names."""
     for suffix in WEIGHT_SCALE_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)] + ".weight"
+    if name.endswith(_MXFP4_SCALES):
+        return name.removesuffix(mxfp4.SCALES_SUFFIX)
     return None
+
+
+def without_blocks(rename: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """`rename`, then MXFP4's `x_proj_blocks` -> `x_proj` (the parameter it dequantizes to)."""
+    def name(checkpoint_name: str) -> str | None:
+        result = rename(checkpoint_name)
+        if result is not None and result.endswith("_proj" + mxfp4.BLOCKS_SUFFIX):
+            return result.removesuffix(mxfp4.BLOCKS_SUFFIX)
+        return result
+    return name
 
 
 class QuantReader:
@@ -49,8 +67,20 @@ class QuantReader:
         self.scales: dict[str, torch.Tensor] = {}
         for name, tensor in scales:
             weight = weight_of_scale(name)
-            if weight is not None:
-                self.scales[weight] = tensor.to(torch.float32)
+            if weight is not None:  # MXFP4's stay uint8 (exponents)
+                self.scales[weight] = (tensor if tensor.dtype == torch.uint8
+                                       else tensor.to(torch.float32))
+
+    def prepare(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor `name` in the shape of its parameter: MXFP4 blocks dequantized (float32,
+        transposed as the model holds experts), anything else as it is."""
+        if self.scheme.method == "mxfp4" and tensor.dtype == torch.uint8:
+            scales = self.scales.get(name)
+            if scales is None:
+                raise InvalidRequest(f"checkpoint tensor {name}_blocks has no {name}_scales "
+                                     "beside it", param="model")
+            return mxfp4.dequantize(tensor, scales.to(torch.uint8), name)
+        return tensor
 
     def write(self, name: str, tensor: torch.Tensor, dest: torch.Tensor,
               scale_dest: Callable[[int], torch.Tensor] | None, start: int) -> None:
