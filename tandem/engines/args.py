@@ -19,6 +19,11 @@ class EngineArgs:
     #: Reference engine: auto reads the weights; dummy draws random ones of the same shape
     #: (performance work without a checkpoint).
     load_format: str = "auto"
+    #: Reference engine: auto reads quantized checkpoints as their quantization_config says
+    #: (FP8: compressed-tensors, fine-grained block FP8, ModelOpt; gpt-oss MXFP4); fp8 also
+    #: quantizes a bf16 checkpoint's dense projections to FP8 per row while loading. FP8
+    #: weights stay FP8 on GPUs of compute capability 8.9+, elsewhere they are dequantized.
+    quantization: str = "auto"
     #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
     enforce_eager: bool = False
     #: Reference engine on CUDA: run steps with prompt tokens eagerly instead of through

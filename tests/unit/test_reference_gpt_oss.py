@@ -1,7 +1,8 @@
 """gpt-oss in the reference engine against transformers' own functions: ModelSpec reads its
 config (sinks, alternating windows, YaRN, biased experts) with GptOssConfig's defaults; the YaRN
 tables, the sink attention of both paths over the paged cache, and the MoE block equal
-transformers'; MXFP4 checkpoints are refused by name; greedy tokens equal `generate`.
+transformers'; MXFP4 tensors in a checkpoint whose config does not declare them are refused
+by name (MXFP4 checkpoints as shipped: test_quantized_checkpoints.py); greedy tokens equal `generate`.
 
 The tiny gpt_oss family also runs through test_reference_engine.py's FAMILIES (batches, chunked
 prefill, prefix-cache hits, preemption) and test_reference_model.py (logits, via tiny.FAMILIES).
@@ -217,7 +218,7 @@ def test_moe_block_equals_transformers_bit_for_bit(model_dir: pathlib.Path,
     assert (gate_up.abs() > layer.limit).any()
 
 
-def test_mxfp4_checkpoint_is_refused(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_mxfp4_tensors_without_a_quantization_config_are_refused(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     from safetensors.torch import load_file, save_file
 
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -226,7 +227,7 @@ def test_mxfp4_checkpoint_is_refused(model_dir: pathlib.Path, tmp_path: pathlib.
     name = "model.layers.0.mlp.experts.gate_up_proj"
     tensors[f"{name}_blocks"] = tensors.pop(name).to(torch.uint8)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(InvalidRequest, match="MXFP4"):
+    with pytest.raises(InvalidRequest, match="MXFP4.*quant_method mxfp4"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
 
 

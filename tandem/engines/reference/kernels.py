@@ -28,6 +28,9 @@ import math
 
 import torch
 
+from tandem.engines.reference.quant import fp8_kernels
+from tandem.engines.reference.quant.fp8 import Fp8Linear, fp8_gemm_supported
+
 try:  # Triton ships with CUDA builds of PyTorch; CPU builds (and CI) have none.
     import triton
     import triton.language as tl
@@ -443,9 +446,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: torch.nn.Linear | Fp8Linear) -> torch.Tensor:
     """`layer(x)`; a decode batch goes through `gemv` (one row) or `skinny_gemm` (up to
-    SKINNY_MAX_ROWS)."""
+    SKINNY_MAX_ROWS). FP8 layers pick their own kernels."""
+    if isinstance(layer, Fp8Linear):
+        return layer(x)
     rows = x.shape[0]
     if x.is_contiguous() and rows <= SKINNY_MAX_ROWS:
         if rows == 1:
@@ -454,8 +459,15 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return layer(x)
 
 
-def swiglu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def swiglu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear | Fp8Linear) -> torch.Tensor:
     """`layer(silu_and_mul(gate_up))`, in one kernel for one row."""
-    if gate_up.shape[0] == 1 and gate_up.is_contiguous():
+    one_row = gate_up.shape[0] == 1 and gate_up.is_contiguous()
+    if isinstance(layer, Fp8Linear):
+        if one_row and fp8_gemm_supported(gate_up.device) and fp8_kernels.serves_block(
+                layer.block):
+            return fp8_kernels.gemv(gate_up, layer.weight, layer.weight_scale, layer.block,
+                                    layer.bias, swiglu=True)
+        return layer(silu_and_mul(gate_up))
+    if one_row:
         return gemv(gate_up, layer.weight, swiglu=True, bias=layer.bias)
     return linear(silu_and_mul(gate_up), layer)

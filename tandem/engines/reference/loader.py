@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -19,6 +19,15 @@ import torch
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.parallel import shard
 from tandem.engines.reference.parallel.group import TensorGroup
+from tandem.engines.reference.quant.fp8 import fp8_gemm_supported, swap_linears
+from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
+from tandem.engines.reference.quant.reader import (
+    QuantReader,
+    is_scale,
+    weight_of_scale,
+    without_blocks,
+)
+from tandem.engines.reference.quant.scheme import read_scheme
 from tandem.engines.reference.spec import ModelSpec
 from tandem.engines.reference.vision import LlavaVision, VisionSpec
 from tandem.errors import InvalidRequest
@@ -54,7 +63,8 @@ class Target(NamedTuple):
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device: torch.device,
                load_format: str = "auto", seed: int = 0,
-               tp: TensorGroup | None = None) -> tuple[DecoderModel, ModelSpec]:
+               tp: TensorGroup | None = None, quantization: str = "auto",
+               fp8_layers: bool | None = None) -> tuple[DecoderModel, ModelSpec]:
     """Build the model described by `model_dir/config.json` on `device`, in eval mode, no grad;
     with `tp` of more than one rank, this rank's shard (parallel.shard).
 
@@ -63,6 +73,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         load_format: "auto"/"safetensors" read *.safetensors (one file or an index of shards);
             "dummy" reads config.json only and draws N(0, DUMMY_STD) weights (norms = 1) from
             `seed`, for performance work on checkpoints that are not present.
+        quantization: "auto" reads the checkpoint as its quantization_config says (quant.
+            scheme); "fp8" also quantizes a float checkpoint's dense projections to FP8 rows.
+        fp8_layers: keep FP8 weights as FP8 (quant.fp8.Fp8Linear); None: where the device
+            computes FP8 GEMMs. Otherwise FP8 weights are dequantized to `dtype` while loading.
     Returns:
         (model, spec); spec.dtype is the dtype actually used, and spec.tie_word_embeddings is
         True when the checkpoint has no lm_head (the embedding is then reused, as HF does).
@@ -82,11 +96,14 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         raise InvalidRequest(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16",
                              param="dtype")
     spec = dataclasses.replace(spec, dtype=dtype)
+    scheme = read_scheme(root, _read_config(root), quantization)
     files: dict[pathlib.Path, list[str]] = {}
     rename: Callable[[str], str | None] = (_text_name if spec.wrapper else _base_name
                                            if spec.base_model else _same_name)
     if spec.family == "mixtral":
         rename = _then_mixtral_name(rename)
+    if scheme is not None and scheme.method == "mxfp4":
+        rename = without_blocks(rename)
     names: set[str | None] = set()
     if load_format != "dummy":
         files = checkpoint_index(root)
@@ -96,13 +113,26 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
             spec = dataclasses.replace(spec, tie_word_embeddings=True)
 
     tp = tp or TensorGroup()
+    if scheme is not None and tp.size > 1:
+        raise InvalidRequest(f"{scheme.source}-quantized weights are not cut across ranks yet; "
+                             "serve this checkpoint at --tensor-parallel-size 1",
+                             param="tensor_parallel_size")
     shard.check(spec, tp.size)
     shards = shard.Shards(spec, tp.rank, tp.size)
     whole = spec
     spec = shard.local_spec(spec, tp.size)
     with torch.device("meta"):
         model = DecoderModel(spec, tp, whole.vocab_size)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    fp8 = scheme is not None and scheme.is_fp8 and (
+        fp8_gemm_supported(device) if fp8_layers is None else fp8_layers)
+    if fp8:
+        with torch.device("meta"):
+            swap_linears(model, scheme.block if scheme else None, dtype)
+    elif scheme is not None and scheme.source == "online":
+        logger.warning("--quantization fp8: %s computes no FP8 GEMMs; the weights stay %s",
+                       device, dtype)
+    model = model.to_empty(device=device)
     model.rotary_emb.reset_cache()  # the table is computed, never loaded
     model.eval().requires_grad_(False)
 
@@ -115,21 +145,22 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         # gpt-oss has only the stacked layout (its MXFP4 originals are refused here).
         stacked = spec.moe_kind == "gpt_oss" or any(
             n is not None and n.endswith(".experts.gate_up_proj") for n in names)
-        if spec.moe_kind == "gpt_oss":
+        if spec.moe_kind == "gpt_oss" and (scheme is None or scheme.method != "mxfp4"):
             _refuse_mxfp4(names)
+        reader = QuantReader(scheme, read_scales(files, rename, device)) if scheme else None
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
-                         spec.architecture, shards.cut)
+                         spec.architecture, shards.cut, reader)
     return model, spec
 
 
 def _refuse_mxfp4(names: set[str | None]) -> None:
-    """gpt-oss as OpenAI publishes it keeps its experts in MXFP4 (`*_blocks`, `*_scales`)."""
+    """MXFP4 experts (`*_blocks`, `*_scales`) in a checkpoint whose config.json does not say
+    so (gpt-oss as OpenAI ships it has `quantization_config: {quant_method: mxfp4}`)."""
     if any(n is not None and n.endswith(("_proj_blocks", "_proj_scales")) for n in names):
         raise InvalidRequest("this gpt-oss checkpoint holds MXFP4-quantized experts "
-                             "(`*_blocks`/`*_scales`), which the reference engine does not "
-                             "read; dequantize it to bfloat16 first (transformers: "
-                             "Mxfp4Config(dequantize=True), then save_pretrained)",
-                             param="model")
+                             "(`*_blocks`/`*_scales`) but its config.json has no "
+                             "quantization_config with quant_method mxfp4; add it as the "
+                             "published checkpoint has it", param="model")
 
 
 def load_vision(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
@@ -259,6 +290,8 @@ def _parameter_map(model: DecoderModel, stacked_experts: bool = False) -> dict[s
     params = dict(model.named_parameters())
     result: dict[str, Target] = {}
     for name, param in params.items():
+        if name.endswith(".weight_scale"):  # an Fp8Linear's: written with its weight
+            continue
         hf_name = name if name == "lm_head.weight" else f"model.{name}"
         if name.endswith(_EXPERT_STACKS) and not stacked_experts:
             result.update(_expert_targets(name, hf_name, param.shape))
@@ -299,7 +332,8 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                      files: dict[pathlib.Path, list[str]], device: torch.device,
                      rename: Callable[[str], str | None], ignored: set[str],
                      what: str,
-                     cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+                     cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                     quant: QuantReader | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters.
 
     Args:
@@ -309,13 +343,15 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
         what: the model named in errors.
         cut: (canonical name, tensor) -> the part this module holds (a tensor-parallel
             rank's shard); None: whole tensors.
+        quant: writes the tensors of a quantized checkpoint (its scales are read past here).
     """
     from safetensors import safe_open
 
     present = {name for names in files.values() for name in names}
     canonical = {name: rename(name) for name in present}
     ours = {new for new in canonical.values() if new is not None}
-    ignored = ignored | {name for name in ours if name.endswith(_IGNORED_SUFFIXES)}
+    ignored = ignored | {name for name in ours if name.endswith(_IGNORED_SUFFIXES)
+                         or (quant is not None and is_scale(name))}
     missing = sorted(set(targets) - ours)
     unexpected = sorted(ours - set(targets) - ignored)
     if missing or unexpected:
@@ -333,6 +369,8 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if target is None:
                     continue
                 tensor = f.get_tensor(name)
+                if quant is not None:
+                    tensor = quant.prepare(canonical[name] or name, tensor)
                 if cut is not None:
                     tensor = cut(canonical[name] or "", tensor)
                 param: torch.Tensor = params[target.name]
@@ -343,7 +381,38 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                     raise InvalidRequest(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
                         f"{tuple(dest.shape)} from config.json", param="model")
-                dest.copy_(tensor)  # casts to the model dtype
+                if quant is None:
+                    dest.copy_(tensor)  # casts to the model dtype
+                    continue
+                quant.write(canonical[name] or name, tensor, dest,
+                            _scale_rows(params, target) if dest.dtype == FP8 else None,
+                            target.start)
+
+
+def _scale_rows(params: Mapping[str, torch.Tensor],
+                target: Target) -> Callable[[int], torch.Tensor]:
+    """The rows of an Fp8Linear's `weight_scale` that `target`'s weight rows use, for scale
+    rows that each cover `divisor` weight rows."""
+    scale = params[target.name.removesuffix(".weight") + ".weight_scale"]
+
+    def rows(divisor: int) -> torch.Tensor:
+        return scale[target.start // divisor: (target.start + target.rows) // divisor]
+    return rows
+
+
+def read_scales(files: dict[pathlib.Path, list[str]], rename: Callable[[str], str | None],
+                device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of every weight-scale tensor of the checkpoint."""
+    from safetensors import safe_open
+
+    found = []
+    for path, names in files.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                canonical = rename(name)
+                if canonical is not None and weight_of_scale(canonical) is not None:
+                    found.append((canonical, f.get_tensor(name).to(device)))
+    return found
 
 
 def init_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -353,6 +422,17 @@ def init_dummy(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         module, _, kind = name.rpartition(".")
+        if param.dtype == FP8:  # an Fp8Linear's weight: drawn in float, quantized per row
+            drawn = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
+            q, scale = quantize_rows(drawn.normal_(0.0, DUMMY_STD, generator=generator))
+            param.copy_(q)
+            scales = model.get_parameter(f"{module}.weight_scale")
+            if scales.dim() == 2:  # block scales: each block row takes its first row's
+                scale = scale[:: -(-scale.numel() // scales.shape[0]), None].expand_as(scales)
+            scales.copy_(scale)
+            continue
+        if kind == "weight_scale":
+            continue
         if "norm" in module.rpartition(".")[2]:  # RMSNorm and LayerNorm: weight 1, bias 0
             param.fill_(1.0 if kind == "weight" else 0.0)
         else:

@@ -82,7 +82,8 @@ def _build(spec: RankSpec, device: torch.device, tp: TensorGroup, conn: Connecti
     args = spec.args
     dtype = getattr(torch, spec.dtype)
     try:
-        model, local = load_model(args.model, dtype, device, args.load_format, args.seed, tp)
+        model, local = load_model(args.model, dtype, device, args.load_format, args.seed, tp,
+                                  args.quantization)
         num_blocks = num_kv_blocks(args, kv_block_bytes(local, args.kv_block_size, dtype),
                                    device)
     except InvalidRequest as exc:
