@@ -7,9 +7,7 @@ experts as OpenAI ships it: logits and greedy tokens equal transformers reading 
 itself. Malformed and unsupported checkpoints are refused by name."""
 from __future__ import annotations
 
-import json
 import pathlib
-from typing import Any
 
 import pytest
 import torch
@@ -159,10 +157,16 @@ def test_transformers_reads_the_written_files_as_the_reference_does(
 async def test_greedy_tokens_equal_transformers(checkpoints: dict[str, pathlib.Path],
                                                 family: str, fmt: str) -> None:
     hf = hf_reference(checkpoints, family, fmt)
-    engine = engine_for(checkpoints[f"{family}/{fmt}"])
+    await assert_greedy_equal(hf, checkpoints[f"{family}/{fmt}"], [5, 23], seed=7)
+
+
+async def assert_greedy_equal(hf: transformers.PreTrainedModel, path: pathlib.Path,
+                              lengths: list[int], seed: int) -> None:
+    """The engine's greedy tokens for prompts of `lengths` equal `hf`'s `generate`."""
+    engine = engine_for(path)
     await engine.start()
     try:
-        batch = prompts(engine.vocab_size, [5, 23], seed=7)
+        batch = prompts(engine.vocab_size, lengths, seed=seed)
         results = await run(engine, batch)
     finally:
         await engine.close()
@@ -171,12 +175,6 @@ async def test_greedy_tokens_equal_transformers(checkpoints: dict[str, pathlib.P
                           min_new_tokens=NEW_TOKENS,
                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert got == out[0, len(prompt):].tolist()
-
-
-def _edit_config(path: pathlib.Path, quant: dict[str, Any]) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = quant
-    (path / "config.json").write_text(json.dumps(config))
 
 
 def test_unsupported_formats_are_refused_by_name(tmp_path: pathlib.Path) -> None:
@@ -282,15 +280,4 @@ async def test_mxfp4_gpt_oss_greedy_tokens_equal_transformers(gpt_oss_mxfp4: pat
                                                              ) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gpt_oss_mxfp4),
                                                            dtype=torch.float32).eval()
-    engine = engine_for(gpt_oss_mxfp4)
-    await engine.start()
-    try:
-        batch = prompts(engine.vocab_size, [6, 19], seed=8)
-        results = await run(engine, batch)
-    finally:
-        await engine.close()
-    for prompt, (got, _) in zip(batch, results, strict=True):
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert got == out[0, len(prompt):].tolist()
+    await assert_greedy_equal(hf, gpt_oss_mxfp4, [6, 19], seed=8)
