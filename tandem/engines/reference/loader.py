@@ -16,6 +16,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tandem.engines.reference.checkpoint_names import (
+    base_name,
+    is_unused,
+    same_name,
+    text_name,
+    then_mixtral_name,
+    vision_name,
+)
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.parallel import shard
 from tandem.engines.reference.parallel.group import TensorGroup
@@ -24,7 +32,7 @@ from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
 from tandem.engines.reference.quant.reader import (
     QuantReader,
     is_scale,
-    weight_of_scale,
+    read_scales,
     without_blocks,
 )
 from tandem.engines.reference.quant.scheme import read_scheme
@@ -46,10 +54,6 @@ _FUSED = {
 }
 # Buffers some older checkpoints saved; recomputed here, so skipped silently.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# Mixtral's checkpoint names for its MoE block and expert projections -> the canonical
-# (Qwen3-MoE) ones; transformers 5 still saves these per-expert names.
-_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
-                  (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 class Target(NamedTuple):
@@ -98,10 +102,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
     spec = dataclasses.replace(spec, dtype=dtype)
     scheme = read_scheme(root, _read_config(root), quantization)
     files: dict[pathlib.Path, list[str]] = {}
-    rename: Callable[[str], str | None] = (_text_name if spec.wrapper else _base_name
-                                           if spec.base_model else _same_name)
+    rename: Callable[[str], str | None] = (text_name if spec.wrapper else base_name
+                                           if spec.base_model else same_name)
     if spec.family == "mixtral":
-        rename = _then_mixtral_name(rename)
+        rename = then_mixtral_name(rename)
     if scheme is not None and scheme.method == "mxfp4":
         rename = without_blocks(rename)
     names: set[str | None] = set()
@@ -181,31 +185,11 @@ def load_vision(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch
     targets = {name: Target(name, 0, param.shape[0])
                for name, param in vision.named_parameters()}
     files = checkpoint_index(root)
-    names = {_vision_name(n) for file_names in files.values() for n in file_names}
-    ignored = {name for name in names if name is not None and _is_unused(name, spec.num_layers)}
-    load_safetensors(vision, targets, files, device, _vision_name, ignored,
+    names = {vision_name(n) for file_names in files.values() for n in file_names}
+    ignored = {name for name in names if name is not None and is_unused(name, spec.num_layers)}
+    load_safetensors(vision, targets, files, device, vision_name, ignored,
                      "a LLaVA vision tower and projector")
     return vision
-
-
-def _is_unused(name: str, num_layers: int) -> bool:
-    """Tower tensors LLaVA never reads: layers past the feature layer, the pooled output's
-    norm, and buffers older checkpoints saved."""
-    if name.startswith("vision_tower.post_layernorm.") or name.endswith(".position_ids"):
-        return True
-    prefix = "vision_tower.encoder.layers."
-    return name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) >= num_layers
-
-
-def _vision_name(name: str) -> str | None:
-    """A LLaVA checkpoint's vision tower or projector tensor -> LlavaVision's name; None for
-    the language model's tensors."""
-    name = name.removeprefix("model.")
-    if name.startswith("vision_tower.vision_model."):
-        return "vision_tower." + name[len("vision_tower.vision_model."):]
-    if name.startswith(("vision_tower.", "multi_modal_projector.")):
-        return name
-    return None
 
 
 def _read_config(root: pathlib.Path) -> dict[str, Any]:
@@ -215,42 +199,6 @@ def _read_config(root: pathlib.Path) -> dict[str, Any]:
         raise InvalidRequest(f"cannot read {root / 'config.json'}: {exc}",
                              param="model") from exc
     return config
-
-
-def _same_name(name: str) -> str | None:
-    return name
-
-
-def _base_name(name: str) -> str | None:
-    """A base-model checkpoint's tensor name (no "model." prefix) -> the causal-LM name."""
-    return name if name.startswith("model.") else f"model.{name}"
-
-
-def _then_mixtral_name(rename: Callable[[str], str | None]) -> Callable[[str], str | None]:
-    """`rename`, then Mixtral's MoE names (`block_sparse_moe`, `w1`/`w3`/`w2`) -> canonical."""
-    def mixtral_name(name: str) -> str | None:
-        result = rename(name)
-        if result is None:
-            return None
-        for old, new in _MIXTRAL_NAMES:
-            result = result.replace(old, new)
-        return result
-    return mixtral_name
-
-
-# A LLaVA checkpoint nests the language model: "language_model.model." (transformers 4.x and
-# the Hub's llava-hf checkpoints) or "model.language_model." (transformers 5 in memory).
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
-
-
-def _text_name(name: str) -> str | None:
-    """A multimodal checkpoint's name for a language-model tensor -> the causal-LM name;
-    None for the other tensors (vision tower, projector)."""
-    for prefix, replacement in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix):]
-    return None
 
 
 def checkpoint_index(root: pathlib.Path) -> dict[pathlib.Path, list[str]]:
@@ -398,21 +346,6 @@ def _scale_rows(params: Mapping[str, torch.Tensor],
     def rows(divisor: int) -> torch.Tensor:
         return scale[target.start // divisor: (target.start + target.rows) // divisor]
     return rows
-
-
-def read_scales(files: dict[pathlib.Path, list[str]], rename: Callable[[str], str | None],
-                device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) of every weight-scale tensor of the checkpoint."""
-    from safetensors import safe_open
-
-    found = []
-    for path, names in files.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                canonical = rename(name)
-                if canonical is not None and weight_of_scale(canonical) is not None:
-                    found.append((canonical, f.get_tensor(name).to(device)))
-    return found
 
 
 def init_dummy(model: torch.nn.Module, seed: int) -> None:

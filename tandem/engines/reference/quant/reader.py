@@ -8,6 +8,7 @@ parameter (the CPU, MoE experts) it goes dequantized. A float weight bound for a
 """
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -141,3 +142,18 @@ class QuantReader:
             n_blocks = -(-rows // block[0]), -(-cols // block[1])
             return scale.reshape(-1)[:: block[0]][: n_blocks[0], None].expand(n_blocks).clone()
         return scale.reshape(-1)
+
+
+def read_scales(files: dict[pathlib.Path, list[str]], rename: Callable[[str], str | None],
+                device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of every weight-scale tensor of the checkpoint."""
+    from safetensors import safe_open
+
+    found = []
+    for path, names in files.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                canonical = rename(name)
+                if canonical is not None and weight_of_scale(canonical) is not None:
+                    found.append((canonical, f.get_tensor(name).to(device)))
+    return found
