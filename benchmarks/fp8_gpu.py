@@ -5,12 +5,12 @@
    W8A8 (Triton, row and 128x128 block scales; cuBLAS `torch._scaled_mm`, row scales),
    microseconds and the weights' read rate; each FP8 result's error against the dequantized
    product.
-2. engines: dummy weights in bf16, FP8 rows (`--quantization fp8`) and FP8 128x128 blocks (a
-   fine-grained FP8 config): batch-1 decode ITL (CUDA graphs) and its floor (weight bytes over
-   the measured copy bandwidth), and 1000/1000 output tokens/s with all requests at once at
-   each concurrency.
+2. engines: dummy weights in bf16, FP8 rows (`--quantization fp8`), FP8 128x128 blocks (a
+   fine-grained FP8 config) and FP8 rows with an FP8 KV cache (`--kv-cache-dtype fp8`):
+   batch-1 decode ITL (CUDA graphs) and its floor (weight bytes over the measured copy
+   bandwidth), and 1000/1000 output tokens/s with all requests at once at each concurrency.
 
-    PYTHONPATH=. python3 benchmarks/fp8_gpu.py [--phases kernels fp8 bf16 fp8-block]
+    PYTHONPATH=. python3 benchmarks/fp8_gpu.py [--phases kernels bf16 fp8 fp8-block fp8-kv]
         [--concurrency 128 256] [--out fp8_gpu.json]
 
 Each engine runs in its own process (the whole GPU free for it); the kernel sweep too.
@@ -41,7 +41,7 @@ from benchmarks.reference_gpu import (
 from tandem.engines.args import EngineArgs
 from tandem.engines.reference.engine import create_reference_engine
 
-PHASES = ("kernels", "bf16", "fp8", "fp8-block")
+PHASES = ("kernels", "bf16", "fp8", "fp8-block", "fp8-kv")
 BLOCK = 32
 #: (name, N, K) of the 8B shape's projections.
 PROJECTIONS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
@@ -123,7 +123,8 @@ async def engine_figures(phase: str, root: pathlib.Path, concurrency: list[int])
     conc = max(concurrency)
     engine = create_reference_engine(EngineArgs(
         model=str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
-        quantization="fp8" if phase == "fp8" else "auto",
+        quantization="fp8" if phase in ("fp8", "fp8-kv") else "auto",
+        kv_cache_dtype="fp8" if phase == "fp8-kv" else "auto",
         num_gpu_blocks=conc * (isl + osl) // BLOCK + 512, kv_block_size=BLOCK,
         max_batch_size=conc, max_num_tokens=8192, enable_prefix_caching=False))
     vocab = shape["vocab_size"]

@@ -24,6 +24,11 @@ class EngineArgs:
     #: quantizes a bf16 checkpoint's dense projections to FP8 per row while loading. FP8
     #: weights stay FP8 on GPUs of compute capability 8.9+, elsewhere they are dequantized.
     quantization: str = "auto"
+    #: Reference engine: the KV cache's dtype: auto (the model's) or fp8 (e4m3, scale 1.0:
+    #: half the bytes of bf16 per block, so twice the blocks and half the attention reads;
+    #: the host tier and KV transfers move the FP8 blocks as they are, and both sides of a
+    #: transfer need the same dtype).
+    kv_cache_dtype: str = "auto"
     #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
     enforce_eager: bool = False
     #: Reference engine on CUDA: run steps with prompt tokens eagerly instead of through

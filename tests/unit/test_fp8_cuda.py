@@ -129,3 +129,42 @@ def test_a_block_fp8_checkpoint_serves_the_logits_of_its_dequantized_weights(
     # 40 rows run W8A8: each product also rounds the activations to FP8 (3 mantissa bits
     # against bf16's 8, ~6x the error per product, ~0.026 vs ~0.004 in the kernel tests).
     assert fp8_error < 8 * bf16_error, (fp8_error, bf16_error)
+
+
+def test_paged_decode_reads_an_fp8_cache() -> None:
+    """--kv-cache-dtype fp8: the Triton decode kernel over e4m3 blocks equals attention over
+    the same blocks read back in float64 (the FP8 rounding is the cache's, not the kernel's)."""
+    from tandem.engines.reference import kernels
+    from tandem.engines.reference.attention import decode_attention
+    from tandem.engines.reference.batch import AttentionMetadata
+
+    heads, kv_heads, head, block, lens = 32, 8, 128, 32, [1, 300, 1024]
+    width = max(-(-n // block) for n in lens) + 1
+    blocks = len(lens) * width + 2
+    cache = torch.randn(2, blocks, block, kv_heads, head, device=DEVICE).to(torch.float8_e4m3fn)
+    tables = torch.randperm(blocks, device=DEVICE)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head, device=DEVICE, dtype=torch.bfloat16)
+    context = torch.tensor(lens, device=DEVICE)
+    meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long, device=DEVICE),
+                             list(range(len(lens) + 1)), lens, context, tables, block, True)
+    ref = decode_attention(q.double(), cache.double(), meta)
+    out = kernels.paged_decode_attention(q, cache, tables, context, block)
+    assert relative_error(out, ref.float()) < 1e-2
+
+
+def test_rope_and_cache_writes_fp8() -> None:
+    from tandem.engines.reference import kernels
+    from tandem.engines.reference.rope import RotaryEmbedding
+
+    heads, kv_heads, head, block, tokens = 8, 2, 128, 16, 5
+    rope = RotaryEmbedding(head, 4096, 500000.0).cuda()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head, device=DEVICE,
+                      dtype=torch.bfloat16)
+    positions = torch.arange(tokens, device=DEVICE) + 7
+    slots = torch.tensor([3, 40, 41, 9, 60], device=DEVICE)
+    fp8 = torch.zeros(2, 4, block, kv_heads, head, device=DEVICE, dtype=torch.float8_e4m3fn)
+    bf16 = torch.zeros(2, 4, block, kv_heads, head, device=DEVICE, dtype=torch.bfloat16)
+    for cache in (fp8, bf16):
+        kernels.rope_and_cache(qkv, rope.cos_sin, positions, cache, slots, heads, kv_heads, head)
+    # The FP8 cache holds the bf16 cache's values rounded to e4m3.
+    assert torch.equal(fp8.float(), bf16.to(torch.float8_e4m3fn).float())

@@ -26,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tandem.engines.reference import kernels, varlen
 from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.build import as_bytes
 from tandem.engines.reference.layers import RMSNorm
 from tandem.engines.reference.rope import apply_rope
 from tandem.engines.reference.spec import ModelSpec
@@ -37,8 +38,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_layer [2, num_blocks, block_size, kv_heads, head_size]."""
     num_blocks, block_size, kv_heads, head_size = kv_layer.shape[1:]
     flat = kv_layer.view(2, num_blocks * block_size, kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_layer.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
+    as_bytes(flat[0]).index_copy_(0, slot_mapping, as_bytes(k.to(kv_layer.dtype)))
+    as_bytes(flat[1]).index_copy_(0, slot_mapping, as_bytes(v.to(kv_layer.dtype)))
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

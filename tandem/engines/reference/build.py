@@ -7,6 +7,27 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.reference.spec import ModelSpec
 from tandem.errors import InvalidRequest
 
+#: --kv-cache-dtype values: the model's dtype, or FP8 e4m3 (K and V stored with scale 1.0, as
+#: TensorRT-LLM and vLLM do without calibrated scales; read back in the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for a model computing in `dtype`.
+
+    Raises:
+        InvalidRequest: an unknown --kv-cache-dtype.
+    """
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{args.kv_cache_dtype!r}", param="kv_cache_dtype")
+    return KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or its uint8 view when it is FP8 (PyTorch's index_copy_ takes no FP8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block of every layer (K and V) of `spec`'s heads."""

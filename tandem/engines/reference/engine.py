@@ -30,7 +30,7 @@ from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference import jit_watch
 from tandem.engines.reference.batch import allocate_kv_cache
-from tandem.engines.reference.build import kv_block_bytes, num_kv_blocks
+from tandem.engines.reference.build import kv_block_bytes, kv_cache_dtype, num_kv_blocks
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.embed_engine import ReferenceEmbedEngine, create_embed_engine
 from tandem.engines.reference.encode_engine import (
@@ -428,13 +428,14 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
     if encoder is not None and tp.is_parallel:
         raise InvalidRequest("--tensor-parallel-size above 1 with a vision-language model is "
                              "not built yet", param="tensor_parallel_size")
-    bytes_per_block = kv_block_bytes(spec, args.kv_block_size, dtype)
+    kv_dtype = kv_cache_dtype(args, dtype)
+    bytes_per_block = kv_block_bytes(spec, args.kv_block_size, kv_dtype)
     num_blocks = num_kv_blocks(args, bytes_per_block, device)
     if followers is not None:
         num_blocks = min(num_blocks, *followers.ready_blocks())
     # One block more than the pool: scratch space for CUDA-graph padding rows.
     kv_cache = allocate_kv_cache(spec.num_layers, num_blocks + 1, args.kv_block_size,
-                                 spec.num_kv_heads, spec.head_size, dtype, device)
+                                 spec.num_kv_heads, spec.head_size, kv_dtype, device)
     log.info("reference engine ready", extra={
         "device": str(device), "dtype": str(dtype), "kv_blocks": num_blocks,
         "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture,

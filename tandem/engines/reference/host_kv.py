@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.engines.batching.host_copies import CopyTiming
+from tandem.engines.reference.build import as_bytes
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU builds (and CI) have none.
     import triton
@@ -87,7 +88,7 @@ class HostKvStore:
     def _copy_cpu(self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
                   ) -> list[CopyTiming]:
         timings: list[CopyTiming] = []
-        kv, host = self.kv_cache, self.host
+        kv, host = as_bytes(self.kv_cache), as_bytes(self.host)
         if offloads:
             started = time.perf_counter()
             blocks = torch.tensor([b for b, _ in offloads])

@@ -157,8 +157,9 @@ if triton is not None:
         for b in range(lo, hi):
             block = tl.load(table_ptr + s * table_stride + b).to(tl.int64)
             offs = ((block * BS + n) * KVH + kvh) * D
-            k = tl.load(kv_ptr + offs[:, None] + d[None, :])
-            v = tl.load(kv_ptr + v_plane + offs[:, None] + d[None, :])
+            # FP8 caches (--kv-cache-dtype fp8) are read back in the model's dtype.
+            k = tl.load(kv_ptr + offs[:, None] + d[None, :]).to(q.dtype)
+            v = tl.load(kv_ptr + v_plane + offs[:, None] + d[None, :]).to(q.dtype)
             qk = tl.dot(q, tl.trans(k)) * scale
             pos = b * BS + n
             valid = pos < ctx

@@ -25,7 +25,7 @@ import torch
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.reference.batch import allocate_kv_cache
-from tandem.engines.reference.build import kv_block_bytes, num_kv_blocks
+from tandem.engines.reference.build import kv_block_bytes, kv_cache_dtype, num_kv_blocks
 from tandem.engines.reference.host_kv import HostKvStore
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
@@ -84,7 +84,8 @@ def _build(spec: RankSpec, device: torch.device, tp: TensorGroup, conn: Connecti
     try:
         model, local = load_model(args.model, dtype, device, args.load_format, args.seed, tp,
                                   args.quantization)
-        num_blocks = num_kv_blocks(args, kv_block_bytes(local, args.kv_block_size, dtype),
+        kv_dtype = kv_cache_dtype(args, dtype)
+        num_blocks = num_kv_blocks(args, kv_block_bytes(local, args.kv_block_size, kv_dtype),
                                    device)
     except InvalidRequest as exc:
         conn.send(("error", exc.message, exc.param))
@@ -95,7 +96,8 @@ def _build(spec: RankSpec, device: torch.device, tp: TensorGroup, conn: Connecti
         return None, torch.empty(0), None
     _, num_blocks, host_blocks = message
     kv_cache = allocate_kv_cache(local.num_layers, num_blocks + 1, args.kv_block_size,
-                                 local.num_kv_heads, local.head_size, dtype, device)
+                                 local.num_kv_heads, local.head_size, kv_cache_dtype(args, dtype),
+                                 device)
     host_kv = HostKvStore(kv_cache, host_blocks) if host_blocks else None
     conn.send(("allocated",))
     return model, kv_cache, host_kv
