@@ -21,7 +21,7 @@ import yaml
 from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.router.main import build_router
 from tandem.launcher import up
 from tandem.launcher.deployment import Deployment, processes

@@ -171,7 +171,7 @@ def test_encode_ports_add_an_encode_pool_and_the_frontend_gets_block_size_and_me
     assert routed["pools"][-1] == {"name": "encode", "kind": "encode", "policy": "round_robin",
                                    "workers": ["127.0.0.1:9500", "127.0.0.1:9501"]}
     frontend_argv = procs[5].argv
-    from services.frontend.main import FrontendConfig
+    from services.frontend.config import FrontendConfig
 
     frontend = config_lib.load(FrontendConfig, frontend_argv[frontend_argv.index("frontend") + 1:],
                                prog="t")
@@ -214,7 +214,7 @@ def test_a_bad_environment_value_names_the_variable(var: str, value: str) -> Non
 def test_api_keys_keep_their_own_variable() -> None:
     # $TANDEM_API_KEYS is added to the keys by the frontend itself (tandem.frontend.auth), never
     # read as the --api-keys field, which would log it.
-    from services.frontend.main import FrontendConfig
+    from services.frontend.config import FrontendConfig
 
     config = config_lib.load(FrontendConfig, [], prog="t", environ={"TANDEM_API_KEYS": "k1"})
     assert config.api_keys == []

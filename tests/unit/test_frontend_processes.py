@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.frontend.supervisor import child_argv
 from tandem.errors import InvalidRequest
 from tandem.launcher.deployment import Deployment, ServiceProcess, processes

@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.frontend.config import FrontendConfig
 from services.frontend.http_app import api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
-from services.frontend.main import FrontendConfig
 from tandem.errors import InvalidRequest, Unauthenticated
 from tandem.frontend.auth import ENV_VAR, ApiKeys
 from tandem.frontend.frontend import Frontend, ModelInfo
