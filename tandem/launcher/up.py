@@ -17,16 +17,12 @@ from collections.abc import Sequence
 from tandem.errors import TandemError
 from tandem.launcher import planner_process
 from tandem.launcher.control import LauncherControl
-from tandem.launcher.deployment import (
-    Deployment,
-    ServiceProcess,
-    model_topologies,
-    processes,
-    video_model_name,
-    with_model,
-)
+from tandem.launcher.deployment import Deployment, with_model
+from tandem.launcher.processes import processes
+from tandem.launcher.served_models import model_topologies
 from tandem.launcher.supervisor import Supervisor, state_path
 from tandem.launcher.topology import StartupFailed, Topology
+from tandem.launcher.workers import ServiceProcess, video_model_name
 from tandem.model.demo import ensure_demo_model
 from tandem.runtime import config as config_lib
 from tandem.runtime import logs, unix_sockets

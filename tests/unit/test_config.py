@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from tandem.errors import InvalidRequest
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.worker_config import WorkerConfig

@@ -17,8 +17,10 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.reference.build import num_kv_blocks
 from tandem.errors import InvalidRequest
 from tandem.launcher import up
-from tandem.launcher.deployment import Deployment, ServiceProcess, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.launcher.topology import Topology
+from tandem.launcher.workers import ServiceProcess
 from tandem.runtime import config as config_lib
 from tandem.runtime.worker_config import WorkerConfig
 

@@ -23,7 +23,8 @@ from tandem.frontend.openai_request import parse_request
 from tandem.frontend.pipeline import Pipeline
 from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.model.demo import ensure_demo_model
 from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib
