@@ -18,7 +18,7 @@ from prometheus_client import start_http_server
 from services.router.servicer import RouterServicer
 from tandem.errors import InvalidRequest, TandemError
 from tandem.routing.config import RouterConfig
-from tandem.routing.grid import GridConfig
+from tandem.routing.grid_config import read_grid_config_file
 from tandem.routing.membership import Membership, Readiness
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router
@@ -35,7 +35,7 @@ def build_router(config: RouterConfig) -> Router:
     if not any(p.workers or p.dns for p in pools):
         raise InvalidRequest("the router needs workers: --decode-workers, or pools in --config",
                              param="pools")
-    grid = GridConfig.from_file(config.grid_config) if config.grid_config else None
+    grid = read_grid_config_file(config.grid_config) if config.grid_config else None
     return Router(pools, grid, config.block_size, config.typical_osl)
 
 

@@ -144,14 +144,14 @@ def test_lists_of_structured_entries_come_from_yaml(tmp_path: pathlib.Path) -> N
 
 
 def test_shipped_sla_pools_example_builds_a_router(tmp_path: pathlib.Path) -> None:
-    from tandem.routing.grid import GridConfig
+    from tandem.routing.grid_config import read_grid_config_file
     from tandem.routing.router import Router
 
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/sla-pools.yaml")], prog="t")
     procs = processes(d, tmp_path)
     assert [p.name for p in procs][:4] == ["fast-0", "fast-1", "bulk-0", "bulk-1"]
     routed = config_lib.build(RouterConfig, _router_yaml(procs[4].argv))
-    grid = GridConfig.from_file(str(ROOT / "deploy/sla-grid.json"))
+    grid = read_grid_config_file(str(ROOT / "deploy/sla-grid.json"))
     router = Router(routed.resolved_pools(), grid, routed.block_size, routed.typical_osl)
     assert [p.name for p in router.pools] == ["fast", "bulk"]
 
