@@ -25,7 +25,7 @@ from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.pipeline import Delta, GenerationRequest
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -24,7 +24,7 @@ from tandem.frontend.openai_stream import OpenAIResponder
 from tandem.frontend.pipeline import Delta
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import logs, tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 OPENAPI = openapi_document()

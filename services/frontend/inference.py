@@ -21,7 +21,7 @@ from tandem.frontend.parsers import ToolCallStart
 from tandem.frontend.pipeline import Delta
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import convert
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import common_pb2, inference_pb2_grpc
 from tandem.v1 import inference_pb2 as pb
 

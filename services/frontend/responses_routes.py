@@ -22,7 +22,7 @@ from tandem.frontend.responses_request import conversation, parse_chat, parse_re
 from tandem.frontend.responses_store import ResponseNotFound, ResponseStore, StoredResponse
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import logs
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
