@@ -25,6 +25,7 @@ from tandem.routing.router import Router
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
 from tandem.runtime.server import GrpcService, ServerOptions
+from tandem.runtime.tasks import spawn
 from tandem.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,7 @@ async def serve(config: RouterConfig,
                 sum(w.healthy for w in pool.workers.values()))
         if service.draining.active:
             return
-        task = asyncio.get_running_loop().create_task(service.set_serving(serving))
-        health_updates.add(task)
-        task.add_done_callback(health_updates.discard)
+        spawn(service.set_serving(serving), health_updates)
 
     # NOT_SERVING until the first worker is healthy (set before any watcher can report).
     service.serve_when_started = False
@@ -117,9 +116,7 @@ def _reload_on_hangup(membership: Membership, reread: Callable[[], RouterConfig]
         await membership.take_static_members(pools)
 
     def on_hangup() -> None:
-        task = asyncio.get_running_loop().create_task(reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        spawn(reload(), reloads)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup)
     on_hangup()
