@@ -2,17 +2,16 @@
 `tandem status` asks the router how its workers are (and the planner, where one runs)."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import os
-import pathlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from tandem.errors import TandemError
+from tandem.runtime.termination_log import write_reason
 
 # stage -> (module, function taking the remaining argv, one line for help); imported lazily.
 _SERVE: dict[str, tuple[str, str, str]] = {
@@ -34,8 +33,6 @@ _SERVE: dict[str, tuple[str, str, str]] = {
                 "sizes pools to their SLA targets from live metrics (tandem up --planner)"),
 }
 _WORKER_STAGES = {"decode", "prefill", "encode", "embed", "video"}
-#: File a command writes its one-line reason to when it fails (unset: none).
-TERMINATION_LOG_ENV = "TANDEM_TERMINATION_LOG"
 
 
 def _up(args: list[str]) -> int:
@@ -142,9 +139,7 @@ def _fail(command: str, reason: str, code: int) -> NoReturn:
     terminationMessagePath: `tandem up` repeats that line for a service that did not start)."""
     line = " ".join(reason.split())
     print(f"{command}: error: {line}", file=sys.stderr, flush=True)
-    if path := os.environ.get(TERMINATION_LOG_ENV):
-        with contextlib.suppress(OSError):
-            pathlib.Path(path).write_text(line + "\n")
+    write_reason(line)
     sys.exit(code)
 
 

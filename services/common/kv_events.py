@@ -13,8 +13,8 @@ from tandem.kv.event_log import EventLog
 from tandem.kv.subscription import Batch, Message, Resync, subscribe, subscribe_loads
 from tandem.runtime import convert
 from tandem.runtime.devices import Device
+from tandem.runtime.draining import Draining
 from tandem.runtime.served import ServedStats
-from tandem.runtime.server import Draining
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
 

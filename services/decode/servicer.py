@@ -13,7 +13,7 @@ from tandem.engines.base import Engine
 from tandem.engines.types import EngineRequest, TokenChunk
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.runtime import convert, tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import decode_pb2 as pb
 from tandem.v1 import decode_pb2_grpc
 

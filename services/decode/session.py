@@ -25,7 +25,7 @@ from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, TokenChunk
 from tandem.errors import InvalidRequest, TandemError, Unavailable
 from tandem.runtime import logs, status, tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import decode_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import grpc
 
 from tandem.engines.base import Engine
 from tandem.errors import InvalidRequest, Unavailable
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import embed_pb2 as pb
 from tandem.v1 import embed_pb2_grpc
 

@@ -6,7 +6,7 @@ import grpc
 from tandem.engines.base import Engine
 from tandem.errors import Unavailable
 from tandem.runtime import convert
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import encode_pb2 as pb
 from tandem.v1 import encode_pb2_grpc
 

@@ -14,6 +14,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.frontend.error_response import error_response
+from services.frontend.first_delta import first_delta, marking_first
 from tandem.errors import TandemError, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend.anthropic_errors import anthropic_error
@@ -25,7 +26,7 @@ from tandem.frontend.openai_request import ParsedRequest
 from tandem.frontend.pipeline import Delta, GenerationRequest
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -106,7 +107,7 @@ class AnthropicRoutes:
             if messages.stream:
                 return await self._stream(request, responder, deltas, tracker)
             try:
-                body = await responder.collect(self._first_token(deltas, tracker))
+                body = await responder.collect(marking_first(deltas, tracker))
             except Exception as exc:  # noqa: BLE001
                 return self._error(exc, tracker)
             tracker.finish("200", responder.usage)
@@ -114,26 +115,12 @@ class AnthropicRoutes:
         finally:
             await deltas.aclose()
 
-    @staticmethod
-    async def _first_token(deltas: AsyncIterator[Delta],
-                           tracker: RequestTracker) -> AsyncIterator[Delta]:
-        seen = False
-        async for delta in deltas:
-            if not seen:
-                tracker.first_token()
-                seen = True
-            yield delta
-
     async def _stream(self, request: web.Request, responder: AnthropicResponder,
                       deltas: AsyncIterator[Delta],
                       tracker: RequestTracker) -> web.StreamResponse:
-        # The first delta comes before the 200, so that routing and admission errors still
-        # reach the client as a proper HTTP status.
-        try:
-            first = await anext(deltas)
-        except Exception as exc:  # noqa: BLE001
-            return self._error(exc, tracker)
-        tracker.first_token()
+        first = await first_delta(deltas, tracker, anthropic_error)
+        if isinstance(first, web.Response):
+            return first
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         try:

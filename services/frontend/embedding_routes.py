@@ -15,7 +15,7 @@ from tandem.frontend import json_body
 from tandem.frontend.embeddings import embedding_response, parse_embedding_request
 from tandem.frontend.metrics import CLIENT_CLOSED
 from tandem.frontend.served_models import ServedModels
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 
 class EmbeddingRoutes:

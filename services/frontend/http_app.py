@@ -12,6 +12,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.frontend.error_response import error_response
+from services.frontend.first_delta import first_delta, marking_first
 from services.frontend.openapi import openapi_document
 from tandem.errors import TandemError, Unauthenticated, Unavailable
 from tandem.frontend import json_body
@@ -24,7 +25,7 @@ from tandem.frontend.openai_stream import OpenAIResponder
 from tandem.frontend.pipeline import Delta
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import logs, tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 OPENAPI = openapi_document()
@@ -119,17 +120,9 @@ class OpenAIRoutes:
         try:
             if parsed.stream:
                 return await self._stream(request, responder, deltas, tracker)
-            seen: list[Delta] = []
-
-            async def remember() -> AsyncIterator[Delta]:
-                async for delta in deltas:
-                    if not seen:
-                        tracker.first_token()
-                        seen.append(delta)  # its worker goes in the headers
-                    yield delta
-
+            seen: list[Delta] = []  # the first: its worker goes in the headers
             try:
-                body = await responder.collect(remember())
+                body = await responder.collect(marking_first(deltas, tracker, seen))
             except Exception as exc:  # noqa: BLE001
                 return self._error(exc, tracker)
             tracker.finish("200", responder.usage)
@@ -141,13 +134,9 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, responder: OpenAIResponder,
                       deltas: AsyncIterator[Delta],
                       tracker: RequestTracker) -> web.StreamResponse:
-        # Wait for the first delta before answering 200, so that routing and admission errors
-        # still reach the client as a proper HTTP status.
-        try:
-            first = await anext(deltas)
-        except Exception as exc:  # noqa: BLE001
-            return self._error(exc, tracker)
-        tracker.first_token()
+        first = await first_delta(deltas, tracker)
+        if isinstance(first, web.Response):
+            return first
         response = web.StreamResponse(headers={**_SSE_HEADERS, **_decision_headers(first)})
         await response.prepare(request)
         events = responder.first_events() + responder.delta_events(first)

@@ -8,6 +8,7 @@ from contextlib import aclosing
 
 import grpc
 
+from services.frontend.first_delta import marking_first
 from services.frontend.inference_body import openai_body
 from tandem.engines.types import FinishReason, Usage
 from tandem.errors import Unavailable
@@ -21,7 +22,7 @@ from tandem.frontend.parsers import ToolCallStart
 from tandem.frontend.pipeline import Delta
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import convert
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import common_pb2, inference_pb2_grpc
 from tandem.v1 import inference_pb2 as pb
 
@@ -73,8 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         deltas = frontend.generate_choices(gen, parsed.num_generated)
         sent_metadata = False
         try:
-            async for delta in deltas:
-                tracker.first_token()
+            async for delta in marking_first(deltas, tracker):
                 if not sent_metadata and delta.worker is not None:
                     await context.send_initial_metadata((
                         ("x-tandem-decode-worker", delta.worker.worker_id),

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from services.frontend.error_response import error_response
+from services.frontend.first_delta import first_delta, marking_first
 from tandem.errors import TandemError, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend import responses_shapes as shapes
@@ -22,7 +23,7 @@ from tandem.frontend.responses_request import conversation, parse_chat, parse_re
 from tandem.frontend.responses_store import ResponseNotFound, ResponseStore, StoredResponse
 from tandem.frontend.served_models import ServedModels
 from tandem.runtime import logs
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -98,8 +99,7 @@ class ResponsesRoutes:
                 response = await self._stream(request, builder, deltas, tracker)
             else:
                 try:
-                    async for delta in deltas:
-                        tracker.first_token()
+                    async for delta in marking_first(deltas, tracker):
                         builder.delta_events(delta)
                 except Exception as exc:  # noqa: BLE001
                     return error_response(exc, tracker)
@@ -115,13 +115,9 @@ class ResponsesRoutes:
     async def _stream(self, request: web.Request, builder: ResponseBuilder,
                       deltas: AsyncIterator[Delta],
                       tracker: RequestTracker) -> web.StreamResponse:
-        # The first delta comes before the 200, so routing and admission errors keep their
-        # HTTP status.
-        try:
-            first = await anext(deltas)
-        except Exception as exc:  # noqa: BLE001
-            return error_response(exc, tracker)
-        tracker.first_token()
+        first = await first_delta(deltas, tracker)
+        if isinstance(first, web.Response):
+            return first
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         events = builder.first_events() + builder.delta_events(first)

@@ -16,13 +16,10 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from services.frontend.config import FrontendConfig
 from tandem.runtime import logs
 from tandem.runtime.children import die_with_parent
-
-if TYPE_CHECKING:
-    from services.frontend.main import FrontendConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from tandem.errors import InvalidRequest, Unavailable
 from tandem.frontend import json_body
 from tandem.frontend.errors import error_body
 from tandem.runtime import tracing
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.video import api
 from tandem.video.frontend import VideoFrontend
 from tandem.video.jobs import JobNotFound

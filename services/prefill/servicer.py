@@ -10,8 +10,8 @@ from tandem.engines.base import Engine
 from tandem.engines.types import EngineRequest, KvHandle
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.runtime import convert, tracing
+from tandem.runtime.draining import Draining
 from tandem.runtime.served import ServedTally
-from tandem.runtime.server import Draining
 from tandem.v1 import prefill_pb2 as pb
 from tandem.v1 import prefill_pb2_grpc
 

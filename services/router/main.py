@@ -18,13 +18,14 @@ from prometheus_client import start_http_server
 from services.router.servicer import RouterServicer
 from tandem.errors import InvalidRequest, TandemError
 from tandem.routing.config import RouterConfig
-from tandem.routing.grid import GridConfig
+from tandem.routing.grid_config import read_grid_config_file
 from tandem.routing.membership import Membership, Readiness
 from tandem.routing.metrics import RouterMetrics
 from tandem.routing.router import Router
 from tandem.runtime import build_info, logs, loop, tracing
 from tandem.runtime import config as config_lib
 from tandem.runtime.server import GrpcService, ServerOptions
+from tandem.runtime.tasks import spawn
 from tandem.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def build_router(config: RouterConfig) -> Router:
     if not any(p.workers or p.dns for p in pools):
         raise InvalidRequest("the router needs workers: --decode-workers, or pools in --config",
                              param="pools")
-    grid = GridConfig.from_file(config.grid_config) if config.grid_config else None
+    grid = read_grid_config_file(config.grid_config) if config.grid_config else None
     return Router(pools, grid, config.block_size, config.typical_osl)
 
 
@@ -74,9 +75,7 @@ async def serve(config: RouterConfig,
                 sum(w.healthy for w in pool.workers.values()))
         if service.draining.active:
             return
-        task = asyncio.get_running_loop().create_task(service.set_serving(serving))
-        health_updates.add(task)
-        task.add_done_callback(health_updates.discard)
+        spawn(service.set_serving(serving), health_updates)
 
     # NOT_SERVING until the first worker is healthy (set before any watcher can report).
     service.serve_when_started = False
@@ -117,9 +116,7 @@ def _reload_on_hangup(membership: Membership, reread: Callable[[], RouterConfig]
         await membership.take_static_members(pools)
 
     def on_hangup() -> None:
-        task = asyncio.get_running_loop().create_task(reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        spawn(reload(), reloads)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup)
     on_hangup()

@@ -12,7 +12,7 @@ from tandem.engines.types import EngineStats
 from tandem.kv.event_log import EventLog
 from tandem.kv.subscription import subscribe
 from tandem.runtime import convert
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import kv_events_pb2 as pb
 from tandem.v1 import kv_events_pb2_grpc
 from tandem.video.runner import VideoRunner

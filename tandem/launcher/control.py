@@ -29,7 +29,7 @@ from tandem.runtime.health_probe import wait_serving
 
 if TYPE_CHECKING:
     from tandem.launcher.deployment import Deployment
-    from tandem.launcher.up import Topology
+    from tandem.launcher.topology import Topology
 
 log = logging.getLogger("tandem.up")
 

@@ -1,37 +1,69 @@
 """The deployment description: which services run, on which ports, with which engine. `tandem up`
-starts it as local processes; compose and Kubernetes describe the same topology."""
+starts it as local processes (tandem.launcher.processes lists them); compose and Kubernetes
+describe the same topology."""
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import socket
 from dataclasses import dataclass, field
 
-import yaml
-
 from tandem.engines.args import EngineArgs
-from tandem.errors import InvalidRequest
-from tandem.launcher import placement
-from tandem.launcher.served_models import (
-    DeploymentModel,
-    DeploymentPool,
-    ModelTopology,
-    model_topologies,
-    router_config,
-)
-from tandem.launcher.supervisor import RESTART_POLICIES
-from tandem.launcher.workers import (
-    ServiceProcess,
-    SharedFlags,
-    model_workers,
-    serve_argv,
-    video_model_name,
-)
 from tandem.multimodal.fetch import MediaFetchConfig
-from tandem.runtime import config as config_lib
-from tandem.runtime.cores import usable_cores
 from tandem.runtime.progress import WatchdogConfig
 from tandem.runtime.tls import TlsConfig
+
+
+@dataclass(frozen=True)
+class DeploymentPool:
+    """A pool of workers the launcher starts and the router picks among."""
+
+    name: str = "decode"
+    #: decode, agg (aggregated grid pools), prefill, encode, video (`tandem serve video`) or
+    #: embedding (`tandem serve embed`: an embedding model's workers, /v1/embeddings).
+    kind: str = "decode"
+    #: One worker per port.
+    ports: list[int] = field(default_factory=list)
+    #: The router's worker policy in this pool.
+    policy: str = "round_robin"
+    #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
+    #: a different --speedup-ratio for a faster pool.
+    worker_flags: list[str] = field(default_factory=list)
+    #: GPUs of each worker, one entry per port in order: a comma-separated list of GPU indices
+    #: as the host numbers them (nvidia-smi), quoted in YAML: ["0", "1"], or ["2,3"] for one
+    #: worker on two. A worker sees only its GPUs (CUDA_VISIBLE_DEVICES). Empty: no placement
+    #: (each worker sees every GPU the launcher sees and takes the first).
+    gpus: list[str] = field(default_factory=list)
+    #: Share (0-1) of its GPU's memory each worker of this pool may hold, passed on as its
+    #: --gpu-memory-fraction (the reference engine sizes its KV pool by it); on a GPU that
+    #: several workers share, each needs one and they sum to at most 1. 0: the whole GPU.
+    gpu_memory_fraction: float = 0.0
+    #: GPU entries (as `gpus`) for the workers a planner may add to this pool beyond its ports
+    #: (`tandem up --planner`): an added worker takes the first entry no worker of the pool
+    #: holds, and a removed worker's entry is free again. A placed pool grows no further than
+    #: its entries. An entry shares a GPU only as `gpus` entries may (with the pool's
+    #: gpu_memory_fraction, all shares on the GPU summing to at most 1).
+    spare_gpus: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeploymentModel:
+    """One model of a deployment that serves several (Deployment.models, YAML only): its
+    workers in pools of their own, behind a router of its own; the frontend serves them all
+    and sends each request to the model it names."""
+
+    #: Name clients pass as `model` (required, unique).
+    name: str = ""
+    #: Model directory; unset: the demo model.
+    model: str = ""
+    #: Its pools (decode, agg, prefill, encode), each with its ports (required).
+    pools: list[DeploymentPool] = field(default_factory=list)
+    #: Context length, tokens; 0: the model's max_position_embeddings.
+    max_seq_len: int = 0
+    #: Frontend: tool-call parser for this model (as tool_call_parser).
+    tool_call_parser: str = ""
+    #: Frontend: reasoning parser for this model (as reasoning_parser).
+    reasoning_parser: str = ""
+    #: Extra flags for every worker of this model (after the shared engine flags).
+    worker_flags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -210,139 +242,6 @@ class Deployment:
     tls: TlsConfig = field(default_factory=TlsConfig)
     #: Engine flags, forwarded to every worker (--model, --speedup-ratio, --kv-block-size ...).
     engine_args: EngineArgs = field(default_factory=EngineArgs)
-
-
-def _router_address(d: Deployment, t: ModelTopology) -> str:
-    return ",".join(f"{d.host}:{port}" for port in t.routers.values())
-
-
-def _model_flags(d: Deployment, topologies: list[ModelTopology],
-                 workdir: pathlib.Path) -> list[str]:
-    """The frontend's flags for its model(s): flat flags for one, a --config file listing
-    them for several (written into `workdir`)."""
-    if not d.models:
-        t = topologies[0]
-        flags = ["--router-address", _router_address(d, t)]
-        flags += ["--model", t.engine_args.model] if t.engine_args.model else []
-        flags += ["--served-model-name", t.name] if t.name else []
-        flags += ["--max-seq-len", str(t.engine_args.max_seq_len)] if t.engine_args.max_seq_len \
-            else []
-        flags += ["--tool-call-parser", t.tool_call_parser] if t.tool_call_parser else []
-        flags += ["--reasoning-parser", t.reasoning_parser] if t.reasoning_parser else []
-        flags += ["--model-kind", t.kind] if t.kind != "text" else []
-        return flags
-    models = [{"name": t.name, "model": t.engine_args.model, "max_seq_len": t.engine_args.max_seq_len,
-               "router_address": _router_address(d, t), "tool_call_parser": t.tool_call_parser,
-               "reasoning_parser": t.reasoning_parser, "kind": t.kind} for t in topologies]
-    path = workdir / "frontend-models.yaml"
-    path.write_text(yaml.safe_dump({"models": models}))
-    return ["--config", str(path)]
-
-
-def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
-    """The processes in start order (workers, routers, frontend); stop in reverse. The
-    routers' config files are written into `workdir`."""
-    flags = SharedFlags.of(d)
-    common = flags.common
-    topologies = model_topologies(d)
-    if d.engine == "mock" and any(p.kind == "encode" for t in topologies for p in t.pools):
-        raise InvalidRequest("encode workers need a vision encoder, which the mock engine does "
-                             "not have: use --engine reference with a vision model",
-                             param="encode_ports")
-    if d.engine == "mock" and any(t.kind == "embedding" for t in topologies):
-        raise InvalidRequest("embedding workers need a model's hidden states, which the mock "
-                             "engine does not compute: use --engine reference", param="engine")
-    if d.restart_policy not in RESTART_POLICIES:
-        raise InvalidRequest(f"restart_policy must be one of {', '.join(RESTART_POLICIES)}, "
-                             f"got {d.restart_policy!r}", param="restart_policy")
-    workers: list[ServiceProcess] = []
-    placed: list[placement.PlacedWorker] = []
-    for t in topologies:
-        model_processes, model_placed = model_workers(d, t, flags)
-        workers += model_processes
-        placed += model_placed
-    placement.check_shared_gpus(placed)
-    if d.worker_metrics_ports:
-        if len(d.worker_metrics_ports) != len(workers):
-            raise InvalidRequest(f"worker_metrics_ports lists {len(d.worker_metrics_ports)} "
-                                 f"ports for {len(workers)} workers", param="worker_metrics_ports")
-        for worker, metrics_port in zip(workers, d.worker_metrics_ports):
-            worker.argv.extend(["--metrics-port", str(metrics_port)])
-    routers: list[ServiceProcess] = []
-    for t in topologies:
-        router_file = workdir / (f"router-{t.name}.yaml" if d.models else "router.yaml")
-        router_file.write_text(yaml.safe_dump(router_config(d, t)))
-        for name, port in t.routers.items():
-            # Router process j serves its metrics on router_metrics_port + j (the config file
-            # its model's replicas share names the first): one port each, as frontends have.
-            metrics = ["--metrics-port", str(d.router_metrics_port + len(routers))] \
-                if d.router_metrics_port else []
-            routers.append(ServiceProcess(name, f"{d.host}:{port}", serve_argv(
-                "router", "--host", d.host, "--port", str(port), "--config", str(router_file),
-                *metrics, *common)))
-    frontend_flags = _model_flags(d, topologies, workdir)
-    if d.request_timeout_s:
-        frontend_flags += ["--request-timeout-s", str(d.request_timeout_s)]
-    frontend_flags += ["--max-inflight-requests", str(d.frontend_max_inflight_requests),
-                       "--max-queued-requests", str(d.frontend_max_queued_requests)]
-    if d.max_local_prefill_length:
-        frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
-    frontend_flags += ["--migration-limit", str(d.migration_limit)]
-    if any(p.kind == "video" for p in topologies[0].pools):
-        frontend_flags += ["--video-model", video_model_name(d)]
-    if d.json_whitespace:
-        frontend_flags += ["--json-whitespace", str(d.json_whitespace)]
-    if not d.local_routing:
-        frontend_flags.append("--no-local-routing")
-    if d.api_keys:
-        frontend_flags += ["--api-keys", *d.api_keys]
-    if d.api_keys_file:
-        frontend_flags += ["--api-keys-file", str(pathlib.Path(d.api_keys_file).resolve())]
-    # The frontend hashes prompts with images into the workers' blocks.
-    frontend_flags += ["--kv-block-size", str(d.engine_args.kv_block_size),
-                       *config_lib.to_argv(d.media)]
-    frontend_argv = serve_argv(
-        "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
-        str(d.grpc_port), *frontend_flags, *common, "--processes", "1")
-    return [*workers, *routers, *frontends(d, frontend_argv)]
-
-
-def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
-    """One frontend process, or `frontend_processes` of them sharing the ports, each with its
-    own gRPC port for the launcher's readiness check and its own metrics port."""
-    if d.frontend_processes < 0:
-        raise InvalidRequest("frontend_processes must be at least 1 (0: one per 4 cores)",
-                             param="frontend_processes")
-    count = d.frontend_processes or auto_frontend_processes()
-    metrics = [["--metrics-port", str(d.frontend_metrics_port + i)] if d.frontend_metrics_port
-               else [] for i in range(count)]
-    if count == 1:
-        return [ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", [*argv, *metrics[0]],
-                               is_dialed_by_peers=False)]
-    own_ports = _free_ports(d.host, count)
-    return [ServiceProcess(f"frontend-{i}", f"{d.host}:{port}",
-                           [*argv, *metrics[i], "--reuse-port", "--own-grpc-port", str(port)],
-                           stop_group="frontend", is_dialed_by_peers=False)
-            for i, port in enumerate(own_ports)]
-
-
-def auto_frontend_processes() -> int:
-    """Frontend processes when none are asked for: one per 4 cores this process may run on,
-    at most 4 (so 1 on a machine of fewer than 8 cores)."""
-    return max(1, min(4, usable_cores() // 4))
-
-
-def _free_ports(host: str, n: int) -> list[int]:
-    """`n` distinct ports nothing listens on now (all held open until the end, so that the
-    kernel offers each once)."""
-    held = [socket.socket() for _ in range(n)]
-    try:
-        for sock in held:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in held]
-    finally:
-        for sock in held:
-            sock.close()
 
 
 def with_model(d: Deployment, model: str) -> Deployment:

@@ -17,12 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tandem.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from tandem.launcher.served_models import DeploymentPool
+from tandem.launcher.deployment import DeploymentPool
 
 #: Engines that compute nothing on a GPU: placing their workers would only look meaningful.
 CPU_ONLY_ENGINES = frozenset({"mock"})

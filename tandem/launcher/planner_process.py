@@ -9,9 +9,10 @@ import pathlib
 import yaml
 
 from tandem.errors import InvalidRequest
-from tandem.launcher.deployment import Deployment, auto_frontend_processes
+from tandem.launcher.deployment import Deployment
 from tandem.launcher.pool_view import SCALABLE_KINDS
 from tandem.launcher.ports import consecutive_free_ports, free_port
+from tandem.launcher.processes import auto_frontend_processes
 from tandem.launcher.served_models import ModelTopology, model_topologies
 from tandem.launcher.workers import ServiceProcess, serve_argv
 from tandem.planner.config import PlannerConfig, read_planner_config

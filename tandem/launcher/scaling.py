@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tandem.errors import InvalidRequest, NotFound, Unavailable
 from tandem.launcher import placement
+from tandem.launcher.deployment import DeploymentPool
 from tandem.launcher.pool_view import (
     SCALABLE_KINDS,
     PoolView,
@@ -29,7 +30,7 @@ from tandem.launcher.pool_view import (
     WorkerPhase,
     WorkerView,
 )
-from tandem.launcher.served_models import DeploymentPool, ModelTopology
+from tandem.launcher.served_models import ModelTopology
 from tandem.launcher.workers import ServiceProcess, SharedFlags, pool_worker
 from tandem.runtime.tasks import spawn
 

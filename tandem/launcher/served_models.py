@@ -6,68 +6,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tandem.launcher.deployment import Deployment, DeploymentPool
 from tandem.launcher.placement import PoolFields
-
-if TYPE_CHECKING:
-    from tandem.launcher.deployment import Deployment
-
-
-@dataclass(frozen=True)
-class DeploymentPool:
-    """A pool of workers the launcher starts and the router picks among."""
-
-    name: str = "decode"
-    #: decode, agg (aggregated grid pools), prefill, encode, video (`tandem serve video`) or
-    #: embedding (`tandem serve embed`: an embedding model's workers, /v1/embeddings).
-    kind: str = "decode"
-    #: One worker per port.
-    ports: list[int] = field(default_factory=list)
-    #: The router's worker policy in this pool.
-    policy: str = "round_robin"
-    #: Extra flags for this pool's workers (after the shared engine flags, so they win), e.g.
-    #: a different --speedup-ratio for a faster pool.
-    worker_flags: list[str] = field(default_factory=list)
-    #: GPUs of each worker, one entry per port in order: a comma-separated list of GPU indices
-    #: as the host numbers them (nvidia-smi), quoted in YAML: ["0", "1"], or ["2,3"] for one
-    #: worker on two. A worker sees only its GPUs (CUDA_VISIBLE_DEVICES). Empty: no placement
-    #: (each worker sees every GPU the launcher sees and takes the first).
-    gpus: list[str] = field(default_factory=list)
-    #: Share (0-1) of its GPU's memory each worker of this pool may hold, passed on as its
-    #: --gpu-memory-fraction (the reference engine sizes its KV pool by it); on a GPU that
-    #: several workers share, each needs one and they sum to at most 1. 0: the whole GPU.
-    gpu_memory_fraction: float = 0.0
-    #: GPU entries (as `gpus`) for the workers a planner may add to this pool beyond its ports
-    #: (`tandem up --planner`): an added worker takes the first entry no worker of the pool
-    #: holds, and a removed worker's entry is free again. A placed pool grows no further than
-    #: its entries. An entry shares a GPU only as `gpus` entries may (with the pool's
-    #: gpu_memory_fraction, all shares on the GPU summing to at most 1).
-    spare_gpus: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class DeploymentModel:
-    """One model of a deployment that serves several (Deployment.models, YAML only): its
-    workers in pools of their own, behind a router of its own; the frontend serves them all
-    and sends each request to the model it names."""
-
-    #: Name clients pass as `model` (required, unique).
-    name: str = ""
-    #: Model directory; unset: the demo model.
-    model: str = ""
-    #: Its pools (decode, agg, prefill, encode), each with its ports (required).
-    pools: list[DeploymentPool] = field(default_factory=list)
-    #: Context length, tokens; 0: the model's max_position_embeddings.
-    max_seq_len: int = 0
-    #: Frontend: tool-call parser for this model (as tool_call_parser).
-    tool_call_parser: str = ""
-    #: Frontend: reasoning parser for this model (as reasoning_parser).
-    reasoning_parser: str = ""
-    #: Extra flags for every worker of this model (after the shared engine flags).
-    worker_flags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,11 @@ import pathlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.launcher import placement
-from tandem.launcher.served_models import DeploymentPool, ModelTopology
+from tandem.launcher.deployment import Deployment, DeploymentPool
+from tandem.launcher.served_models import ModelTopology
 from tandem.runtime import config as config_lib
-
-if TYPE_CHECKING:
-    from tandem.launcher.deployment import Deployment
 
 
 @dataclass(frozen=True)

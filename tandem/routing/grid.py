@@ -25,8 +25,7 @@ Where Tandem differs from Dynamo, on purpose:
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -232,7 +231,7 @@ class GridConfig:
     """A loaded global-router config: the mode, its pool sets and Tandem's options.
 
     Disagg mode has ``prefill`` and ``decode``; agg mode has ``agg``. Build it with
-    load_grid_config or GridConfig.from_file, which validate everything the selectors rely on.
+    tandem.routing.grid_config's load_grid_config or read_grid_config_file, which validate everything the selectors rely on.
     Selection is pure and thread-safe.
     """
 
@@ -242,14 +241,6 @@ class GridConfig:
     decode: PoolSet | None = None
     agg: PoolSet | None = None
     options: TandemGridOptions = field(default_factory=TandemGridOptions)
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> GridConfig:
-        """Reads a Dynamo global-router JSON file. Raises OSError if unreadable, InvalidRequest
-        if it is not valid JSON or not a valid config."""
-        from tandem.routing.grid_config import read_grid_config_file  # it builds these types
-
-        return read_grid_config_file(path)
 
     def select_prefill_pool(self, isl: int, ttft_ms: float | None,
                             priority: int | None) -> PoolChoice:
@@ -303,13 +294,3 @@ class GridConfig:
         if pools is None:
             raise ValueError(f"{caller} does not apply to a grid config in {self.mode} mode")
         return pools
-
-
-def load_grid_config(data: Mapping[str, object]) -> GridConfig:
-    """Validates a parsed Dynamo global-router config (see tandem.routing.grid_config).
-
-    Raises InvalidRequest whose message and ``param`` name the offending key by its path.
-    """
-    from tandem.routing.grid_config import parse_grid_config  # it builds these types
-
-    return parse_grid_config(data)

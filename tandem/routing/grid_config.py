@@ -199,7 +199,7 @@ def _list(value: object, path: str) -> list[object]:
     return value
 
 
-def parse_grid_config(data: Mapping[str, object]) -> GridConfig:
+def load_grid_config(data: Mapping[str, object]) -> GridConfig:
     """Validates a parsed config and builds the GridConfig (see the module docstring).
 
     Raises InvalidRequest naming the offending key by its path, also in ``param``.
@@ -233,7 +233,7 @@ def read_grid_config_file(path: str | os.PathLike[str]) -> GridConfig:
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"grid config {os.fspath(path)!s} is not valid JSON: {e.msg} "
                              f"(line {e.lineno}, column {e.colno})") from None
-    return parse_grid_config(data)
+    return load_grid_config(data)
 
 
 def _pool_set(top: _Section, spec: _StrategyKeys, mode: Mode) -> PoolSet:

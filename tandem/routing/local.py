@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 
 from tandem.errors import Unavailable
-from tandem.routing.grid import load_grid_config
+from tandem.routing.grid_config import load_grid_config
 from tandem.routing.membership import Membership, Readiness
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.snapshot import PoolSnapshot, RoutingSettings

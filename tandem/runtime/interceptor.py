@@ -12,16 +12,14 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from tandem.errors import TandemError
 from tandem.runtime import logs, status, tracing
-
-if TYPE_CHECKING:
-    from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 log = logging.getLogger(__name__)
 REQUEST_ID_KEY = "x-request-id"

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -95,7 +94,7 @@ class RouterReplicas:
     def start(self) -> None:
         """Follows the DNS names, if any. Call on the event loop."""
         if self._dns_names:
-            self._spawn(self._follow_dns())
+            spawn(self._follow_dns(), self._tasks)
 
     def up_order(self) -> list[Replica]:
         """The replicas that are up, each call starting one further along (round robin)."""
@@ -116,7 +115,7 @@ class RouterReplicas:
         replica.state = ReplicaState.DOWN
         log.warning("router replica down; probing its health",
                     extra={"router": replica.address, "error": why})
-        replica.probe = self._spawn(self._probe(replica))
+        replica.probe = spawn(self._probe(replica), self._tasks)
 
     async def _probe(self, replica: Replica) -> None:
         stub = health_pb2_grpc.HealthStub(replica.channel)
@@ -171,9 +170,6 @@ class RouterReplicas:
                 self._set([*self._static, *resolved])
             self.resolved.set()
             await asyncio.sleep(self.dns_refresh_s)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        return spawn(coro, self._tasks)
 
     async def close(self) -> None:
         """Stops probing and resolving, and closes every channel."""

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.runtime import unix_sockets
+from tandem.runtime.draining import Draining
 from tandem.runtime.gc_tuning import freeze_startup_heap, thaw
 from tandem.runtime.health import NOT_SERVING, SERVING, HealthServicer
 from tandem.runtime.interceptor import ErrorInterceptor
@@ -50,59 +51,6 @@ class ServerOptions:
     #: A second port this process alone binds (0: none), serving the same services: with
     #: `reuse_port`, its health says whether this process (not a random one) is ready.
     own_port: int = 0
-
-
-class Draining:
-    """A flag servicers check to refuse new work once shutdown began (UNAVAILABLE), and the
-    count of request RPCs in flight that shutdown waits for."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.num_in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        #: Set while a request is in flight or once the drain began (see wait_for_work).
-        self._working = asyncio.Event()
-
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[None]:
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
-
-    def enter(self) -> None:
-        """One more request in flight (pair with leave(); tracking() does both)."""
-        self.num_in_flight += 1
-        self._idle.clear()
-        self._working.set()
-
-    def leave(self) -> None:
-        self.num_in_flight -= 1
-        if not self.num_in_flight:
-            self._idle.set()
-            if not self.active:
-                self._working.clear()
-
-    def begin(self) -> None:
-        """Shutdown began: servicers refuse new work from now on."""
-        self.active = True
-        self._working.set()
-
-    async def wait_for_work(self, timeout_s: float) -> None:
-        """Returns once a request is in flight or the drain began, or after `timeout_s` (for
-        periodic work that has nothing to do while the service is idle)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._working.wait(), timeout_s)
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True when no request RPC is in flight (now or within `timeout_s`)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
 
 
 class GrpcService:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from tandem.errors import ModelNotFound, Overloaded, TandemError, Unavailable, UpstreamError
 from tandem.routing.workers import WorkerRef
+from tandem.runtime.tasks import spawn
 from tandem.video import job_ids
 from tandem.video.api import CreateVideo
 from tandem.video.events import Accepted, Finished, VideoEvent
@@ -126,9 +127,7 @@ class VideoFrontend:
     async def create_job(self, req: CreateVideo, request_id: str) -> tuple[str, JobInfo]:
         """OpenAI's form: the queued job, at once."""
         started = await self._start(req, request_id, keep_file=True, detach=True)
-        task = asyncio.get_running_loop().create_task(self._follow(started, request_id))
-        self._followers.add(task)
-        task.add_done_callback(self._followers.discard)
+        spawn(self._follow(started, request_id), self._followers)
         return started.public_id, started.job
 
     async def _follow(self, started: Started, request_id: str) -> None:

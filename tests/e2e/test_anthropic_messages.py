@@ -5,7 +5,6 @@ forced tool_use that validates against its schema and a tool_result answered, th
 documented event order, count_tokens equal to the usage, and errors in Anthropic's shape."""
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,8 +13,8 @@ import jsonschema
 import pytest
 import requests
 
-from tests.chat_templates import QWEN_TOOLS, use_template
-from tests.e2e.topology import Topology, start_topology
+from tests.e2e.tiny_tools import start_tools_topology
+from tests.e2e.topology import Topology
 
 GREEDY: dict[str, Any] = {"temperature": 0}
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -30,14 +29,7 @@ TOOLS: list[Any] = [{"name": "get_weather", "description": "Weather", "input_sch
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    from tandem.model.tiny import write_tiny_model
-
-    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-anthropic",
-                                           "llama", seed=0, max_position_embeddings=2048)
-    use_template(model, QWEN_TOOLS)
-    topo = start_topology("--engine", "reference", "--model", str(model), "--device", "cpu",
-                          "--kv-block-size", "32", "--num-gpu-blocks-override", "256",
-                          "--tool-call-parser", "hermes")
+    topo = start_tools_topology(tmp_path_factory.mktemp("tiny") / "tiny-anthropic")
     yield topo
     assert topo.stop() == 0
 

@@ -23,7 +23,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from tandem.v1 import inference_pb2, inference_pb2_grpc
-from tests.chat_templates import QWEN_TOOLS, use_template
+from tests.e2e.tiny_tools import write_tools_model
 from tests.e2e.topology import Topology, consecutive_free_ports, free_ports, start_topology
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -31,12 +31,7 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from tandem.model.tiny import write_tiny_model
-
-    model = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen-template", "llama",
-                             seed=0, max_position_embeddings=2048)
-    use_template(model, QWEN_TOOLS)
-    return model
+    return write_tools_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen-template")
 
 
 @pytest.fixture(scope="module")

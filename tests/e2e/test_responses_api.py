@@ -7,7 +7,6 @@ its result sent back with previous_response_id, a json_schema output that parses
 from __future__ import annotations
 
 import json
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +15,8 @@ import openai
 import pytest
 import requests
 
-from tests.chat_templates import QWEN_TOOLS, use_template
-from tests.e2e.topology import Topology, start_topology
+from tests.e2e.tiny_tools import start_tools_topology
+from tests.e2e.topology import Topology
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
         "required": ["city"], "additionalProperties": False}
@@ -29,14 +28,7 @@ ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    from tandem.model.tiny import write_tiny_model
-
-    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-responses",
-                                           "llama", seed=0, max_position_embeddings=2048)
-    use_template(model, QWEN_TOOLS)
-    topo = start_topology("--engine", "reference", "--model", str(model), "--device", "cpu",
-                          "--kv-block-size", "32", "--num-gpu-blocks-override", "256",
-                          "--tool-call-parser", "hermes")
+    topo = start_tools_topology(tmp_path_factory.mktemp("tiny") / "tiny-responses")
     yield topo
     assert topo.stop() == 0
 

@@ -7,7 +7,6 @@ back; every refused field is a 400 naming it and the service stays up."""
 from __future__ import annotations
 
 import json
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +16,8 @@ import openai
 import pytest
 
 from tandem.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.chat_templates import QWEN_TOOLS, use_template
-from tests.e2e.topology import Topology, start_topology
+from tests.e2e.tiny_tools import start_tools_topology
+from tests.e2e.topology import Topology
 
 MAX_TOKENS = 200
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -38,15 +37,7 @@ NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    from tandem.model.tiny import write_tiny_model
-
-    # The tools' JSON in the prompt takes ~400 tokens of the demo tokenizer.
-    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-tools",
-                                           "llama", seed=0, max_position_embeddings=2048)
-    use_template(model, QWEN_TOOLS)
-    topo = start_topology("--engine", "reference", "--model", str(model), "--device", "cpu",
-                          "--kv-block-size", "32", "--num-gpu-blocks-override", "256",
-                          "--tool-call-parser", "hermes")
+    topo = start_tools_topology(tmp_path_factory.mktemp("tiny") / "tiny-tools")
     yield topo
     assert topo.stop() == 0
 

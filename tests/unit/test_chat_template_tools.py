@@ -20,7 +20,8 @@ from tandem.frontend.parsers import tool_parser
 from tandem.frontend.parsers.harmony import HarmonyFormat
 from tandem.frontend.pipeline import Delta, Pipeline
 from tandem.frontend.tokenizer import Tokenizer
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.model.demo import ensure_demo_model
 from tandem.v1 import common_pb2
 from tandem.v1 import inference_pb2 as pb

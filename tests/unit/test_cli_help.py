@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from tandem import cli
 from tandem.engines.trtllm.check import CheckConfig
 from tandem.launcher.deployment import Deployment

@@ -21,10 +21,11 @@ import yaml
 from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.router.main import build_router
 from tandem.launcher import up
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.routing.config import RouterConfig
 from tandem.runtime.worker_config import WorkerConfig
 from tandem.v1 import inference_pb2, router_pb2, video_pb2

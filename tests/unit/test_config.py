@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from tandem.errors import InvalidRequest
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib
 from tandem.runtime.worker_config import WorkerConfig
@@ -143,14 +144,14 @@ def test_lists_of_structured_entries_come_from_yaml(tmp_path: pathlib.Path) -> N
 
 
 def test_shipped_sla_pools_example_builds_a_router(tmp_path: pathlib.Path) -> None:
-    from tandem.routing.grid import GridConfig
+    from tandem.routing.grid_config import read_grid_config_file
     from tandem.routing.router import Router
 
     d = config_lib.load(Deployment, ["--config", str(ROOT / "deploy/sla-pools.yaml")], prog="t")
     procs = processes(d, tmp_path)
     assert [p.name for p in procs][:4] == ["fast-0", "fast-1", "bulk-0", "bulk-1"]
     routed = config_lib.build(RouterConfig, _router_yaml(procs[4].argv))
-    grid = GridConfig.from_file(str(ROOT / "deploy/sla-grid.json"))
+    grid = read_grid_config_file(str(ROOT / "deploy/sla-grid.json"))
     router = Router(routed.resolved_pools(), grid, routed.block_size, routed.typical_osl)
     assert [p.name for p in router.pools] == ["fast", "bulk"]
 
@@ -171,7 +172,7 @@ def test_encode_ports_add_an_encode_pool_and_the_frontend_gets_block_size_and_me
     assert routed["pools"][-1] == {"name": "encode", "kind": "encode", "policy": "round_robin",
                                    "workers": ["127.0.0.1:9500", "127.0.0.1:9501"]}
     frontend_argv = procs[5].argv
-    from services.frontend.main import FrontendConfig
+    from services.frontend.config import FrontendConfig
 
     frontend = config_lib.load(FrontendConfig, frontend_argv[frontend_argv.index("frontend") + 1:],
                                prog="t")
@@ -214,7 +215,7 @@ def test_a_bad_environment_value_names_the_variable(var: str, value: str) -> Non
 def test_api_keys_keep_their_own_variable() -> None:
     # $TANDEM_API_KEYS is added to the keys by the frontend itself (tandem.frontend.auth), never
     # read as the --api-keys field, which would log it.
-    from services.frontend.main import FrontendConfig
+    from services.frontend.config import FrontendConfig
 
     config = config_lib.load(FrontendConfig, [], prog="t", environ={"TANDEM_API_KEYS": "k1"})
     assert config.api_keys == []

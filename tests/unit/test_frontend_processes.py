@@ -10,11 +10,13 @@ import time
 
 import pytest
 
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.frontend.supervisor import child_argv
 from tandem.errors import InvalidRequest
-from tandem.launcher.deployment import Deployment, ServiceProcess, processes
-from tandem.launcher.up import Topology
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
+from tandem.launcher.topology import Topology
+from tandem.launcher.workers import ServiceProcess
 from tandem.runtime import config as config_lib
 from tandem.runtime import cores as cores_module
 from tandem.runtime.tls import TlsConfig

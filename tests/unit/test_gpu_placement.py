@@ -17,7 +17,10 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.reference.build import num_kv_blocks
 from tandem.errors import InvalidRequest
 from tandem.launcher import up
-from tandem.launcher.deployment import Deployment, ServiceProcess, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
+from tandem.launcher.topology import Topology
+from tandem.launcher.workers import ServiceProcess
 from tandem.runtime import config as config_lib
 from tandem.runtime.worker_config import WorkerConfig
 
@@ -323,7 +326,7 @@ def test_spawn_adds_the_worker_env_over_the_launchers(monkeypatch: pytest.Monkey
     placed = ServiceProcess("decode-0", "127.0.0.1:9200", ["w"],
                             env={**PLACED, "CUDA_VISIBLE_DEVICES": "1,2"})
     unplaced = ServiceProcess("router", "127.0.0.1:9100", ["r"])
-    up.Topology([placed, unplaced], config_lib.build(Deployment, {}).tls, tmp_path).start()
+    Topology([placed, unplaced], config_lib.build(Deployment, {}).tls, tmp_path).start()
     placed_env, unplaced_env = (s["env"] for s in _FakePopen.started)
     assert placed_env["CUDA_VISIBLE_DEVICES"] == "1,2"
     assert placed_env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"

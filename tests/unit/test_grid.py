@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 
 from tandem.errors import InvalidRequest
-from tandem.routing.grid import (
-    GridConfig,
-    axis_index,
-    decode_context_length,
-    load_grid_config,
-    retry_order,
-)
+from tandem.routing.grid import axis_index, decode_context_length, retry_order
+from tandem.routing.grid_config import load_grid_config, read_grid_config_file
 
 # --- Dynamo's own configs, copied unchanged -------------------------------------------------------
 
@@ -155,7 +150,7 @@ DYNAMO_AGG_ISL: dict[str, Any] = {
 def test_dynamo_disagg_example_loads_unchanged(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "global_router_config.json"
     path.write_text(DYNAMO_MOCKER_TEST)
-    config = GridConfig.from_file(path)
+    config = read_grid_config_file(path)
     assert config.mode == "disagg" and not config.enable_priority_retry
     assert config.prefill is not None and config.decode is not None and config.agg is None
     assert config.prefill.names == ("${K8S_NAMESPACE}-gp-prefill-0",
@@ -660,6 +655,6 @@ def test_top_level_and_file_errors(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"num_prefill_pools": 2,}')
     with pytest.raises(InvalidRequest, match=r"bad\.json is not valid JSON.*line 1"):
-        GridConfig.from_file(bad)
+        read_grid_config_file(bad)
     with pytest.raises(FileNotFoundError):
-        GridConfig.from_file(tmp_path / "missing.json")
+        read_grid_config_file(tmp_path / "missing.json")

@@ -209,7 +209,7 @@ async def test_host_hits_count_as_cached_tokens_and_copies_take_their_modelled_t
 async def test_a_failed_copy_recomputes_and_forgets_the_blocks(tiny_model: str) -> None:
     engine, first = await evicted_to_host(tiny_model)
     expected, _, _ = await run(engine, "reference", seq(700, 9))  # warms nothing we need
-    copy = engine._copy_blocks
+    copy = engine.host_copies.copy_blocks
     failures = 0
 
     async def failing(copies, sync):  # type: ignore[no-untyped-def]
@@ -219,7 +219,7 @@ async def test_a_failed_copy_recomputes_and_forgets_the_blocks(tiny_model: str) 
             raise RuntimeError("copy engine fault")
         return await copy(copies, sync)
 
-    engine._copy_blocks = failing  # type: ignore[method-assign]
+    engine.host_copies.copy_blocks = failing
     preempted = engine.scheduler.num_preemptions
     tokens, _, finish = await run(engine, "again", first)
     assert finish == FinishReason.LENGTH and len(tokens) == 4

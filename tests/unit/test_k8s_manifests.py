@@ -16,7 +16,7 @@ import yaml
 from cli_capture import parse_serve
 
 from services.common.worker_main import STAGES
-from services.frontend.main import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.planner.main import CONNECTORS
 from services.router.main import build_router
 from tandem.planner.service_config import PlannerServiceConfig, load_models

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 import pytest
 
 from tandem.errors import InvalidRequest, NotFound, Unavailable
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment, DeploymentPool
 from tandem.launcher.pool_view import WorkerPhase
+from tandem.launcher.processes import processes
 from tandem.launcher.scaling import PoolScaler
-from tandem.launcher.served_models import DeploymentPool, model_topologies
+from tandem.launcher.served_models import model_topologies
 from tandem.launcher.workers import ServiceProcess
 from tandem.planner.local import LocalConnector
 from tandem.runtime import launcher_control

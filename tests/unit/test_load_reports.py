@@ -13,7 +13,7 @@ import pytest
 from tandem.engines.types import BlockStored, EngineStats
 from tandem.kv.event_log import EventLog
 from tandem.kv.subscription import HEARTBEAT_INTERVALS, Batch, subscribe, subscribe_loads
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 INTERVAL_S = 0.05
 HEARTBEAT_S = HEARTBEAT_INTERVALS * INTERVAL_S

@@ -10,10 +10,12 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from services.frontend.main import FrontendConfig, served_models
+from services.frontend.config import FrontendConfig
+from services.frontend.main import served_models
 from tandem.errors import InvalidRequest
 from tandem.frontend.metrics import FrontendMetrics
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.runtime import config as config_lib
 
 DEPLOYMENT = {"router_port": 9500, "models": [

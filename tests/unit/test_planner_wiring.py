@@ -12,9 +12,9 @@ import yaml
 
 from services.planner.main import create_connector
 from tandem.errors import InvalidRequest
-from tandem.launcher.deployment import Deployment, DeploymentModel, processes
+from tandem.launcher.deployment import Deployment, DeploymentModel, DeploymentPool
 from tandem.launcher.planner_process import planner_process, prepare
-from tandem.launcher.served_models import DeploymentPool
+from tandem.launcher.processes import processes
 from tandem.planner.config import planner_config_from_dict
 from tandem.planner.service_config import PlannerServiceConfig
 from tandem.runtime import config as config_lib

@@ -293,7 +293,7 @@ def test_varlen_layout_lists_each_prompt_sequence_and_its_context_slots(split: b
             (whole, tables[3], 0)]
     _, _, meta = make_step(seqs)
     meta = with_decode_part(meta) if split else meta
-    layout = varlen.VarlenPrefill.build(meta, CPU)
+    layout = varlen.build_layout(meta, CPU)
     kept = [1, 3] if split else [0, 1, 2, 3]
     starts = meta.query_start_loc
     assert layout.all_rows is not split

@@ -7,7 +7,7 @@ from tandem.engines.types import BlockStored
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv.hashing import block_hashes
 from tandem.routing.config import PoolConfig
-from tandem.routing.grid import load_grid_config
+from tandem.routing.grid_config import load_grid_config
 from tandem.routing.router import Router, RouteRequestInfo
 from tandem.routing.workers import SlaHints
 

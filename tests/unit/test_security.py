@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.frontend.config import FrontendConfig
 from services.frontend.http_app import api_key_auth, json_errors
 from services.frontend.inference import InferenceServicer
-from services.frontend.main import FrontendConfig
 from tandem.errors import InvalidRequest, Unauthenticated
 from tandem.frontend.auth import ENV_VAR, ApiKeys
 from tandem.frontend.frontend import Frontend, ModelInfo
@@ -23,7 +23,8 @@ from tandem.frontend.openai_request import parse_request
 from tandem.frontend.pipeline import Pipeline
 from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
-from tandem.launcher.deployment import Deployment, processes
+from tandem.launcher.deployment import Deployment
+from tandem.launcher.processes import processes
 from tandem.model.demo import ensure_demo_model
 from tandem.routing.config import RouterConfig
 from tandem.runtime import config as config_lib

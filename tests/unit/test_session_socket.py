@@ -17,7 +17,7 @@ from tandem.errors import Unavailable
 from tandem.runtime import frames
 from tandem.runtime.clients import _chunk_from_pb
 from tandem.runtime.decode_session import SessionChannel, SocketCall
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 from tandem.v1 import common_pb2, decode_pb2
 
 Serve = Callable[[float], Awaitable[tuple[MockEngine, SessionSocket]]]

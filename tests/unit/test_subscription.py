@@ -7,7 +7,7 @@ from dataclasses import replace
 from tandem.engines.types import BlockRemoved, BlockStored, EngineStats
 from tandem.kv.event_log import EventLog
 from tandem.kv.subscription import Batch, Resync, subscribe, subscribe_loads
-from tandem.runtime.server import Draining
+from tandem.runtime.draining import Draining
 
 IDLE = EngineStats(0, 0, 0, 64, 0, 0, 0.0)
 

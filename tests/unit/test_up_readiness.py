@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from services.router.servicer import RouterServicer
-from tandem.launcher.deployment import ServiceProcess
-from tandem.launcher.up import Topology
+from tandem.launcher.topology import Topology
+from tandem.launcher.workers import ServiceProcess
 from tandem.routing.config import PoolConfig
 from tandem.routing.router import Router
 from tandem.routing.workers import Health

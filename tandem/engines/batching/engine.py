@@ -92,9 +92,10 @@ class BatchingEngine(Engine):
         self._eos_ids = eos_ids
         self.pool = BlockPool(num_blocks, args.kv_block_size, args.enable_prefix_caching,
                               num_host_blocks(args, layout))
-        #: The host tier's copies and counters (idle without a host tier).
-        self.host_copies = HostCopies(self)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, args.max_num_tokens)
+        #: The host tier's copies and counters (idle without a host tier).
+        self.host_copies = HostCopies(self.pool, self.scheduler, layout.block_bytes,
+                                      self._copy_blocks)
         #: --batch-wait-timeout-ms: an idle engine holds a burst's first prompts for the rest.
         self._batch_wait = BatchWait(args.batch_wait_timeout_ms)
         #: Told of each step (set_step_observer: traces); None: nobody asked.

@@ -9,26 +9,34 @@ sends the requests that needed the onboarded blocks back to recompute them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from tandem.engines.batching.scheduler import StepPlan
+from tandem.engines.batching.scheduler import Scheduler, StepPlan
+from tandem.kv.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from tandem.engines.batching.engine import BatchingEngine
     from tandem.kv.host_tier import BlockCopies
 
 log = logging.getLogger(__name__)
 
 #: ("offload" | "onboard", blocks, seconds) of copies known to have finished.
 CopyTiming = tuple[str, int, float]
+#: Runs a step's copies (the engine's `_copy_blocks`): (copies, sync) -> their timings, where
+#: sync says a KV read follows that must not see a block an offload still reads.
+CopyBlocks = Callable[["BlockCopies", bool], Awaitable[list[CopyTiming]]]
 
 
 class HostCopies:
-    """Runs the pool's queued copies through the engine's `_copy_blocks` and counts them."""
+    """Runs the pool's queued copies through `copy_blocks` and counts them; a failed copy's
+    requests go back to `scheduler` to recompute."""
 
-    def __init__(self, engine: BatchingEngine) -> None:
-        self.engine = engine
-        self.block_bytes = engine.layout.block_bytes
+    def __init__(self, pool: BlockPool, scheduler: Scheduler, block_bytes: int,
+                 copy_blocks: CopyBlocks) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.copy_blocks = copy_blocks
+        self.block_bytes = block_bytes
         self.num_offload_blocks = 0
         self.num_onboard_blocks = 0
         self.offload_seconds = 0.0
@@ -39,7 +47,7 @@ class HostCopies:
 
     async def run(self, plan: StepPlan) -> None:
         """Runs this step's copies; afterwards `plan` holds only requests still alive."""
-        pool = self.engine.pool
+        pool = self.pool
         copies = pool.take_copies()
         if not copies:
             return
@@ -50,7 +58,7 @@ class HostCopies:
         self.is_copying = True
         try:
             # A KV read starting after this writes blocks an offload may still be reading.
-            self.record(await self.engine._copy_blocks(copies, bool(plan.loads)))
+            self.record(await self.copy_blocks(copies, bool(plan.loads)))
         except Exception:
             log.exception("copying KV blocks between the device pool and the host tier failed; "
                           "the requests that needed them recompute")
@@ -73,7 +81,7 @@ class HostCopies:
                 self.onboard_seconds += seconds
 
     def _failed(self, copies: BlockCopies, plan: StepPlan) -> None:
-        pool, host = self.engine.pool, self.engine.pool.host
+        pool, host = self.pool, self.pool.host
         assert host is not None
         for _, slot in copies.offloads:
             host.forget(slot)
@@ -83,11 +91,11 @@ class HostCopies:
         pool.forget_blocks(sorted(targets))
         needing = {r for r, _ in plan.scheduled
                    if not r.is_finished and targets.intersection(r.table.block_ids)}
-        self.engine.scheduler.requeue(needing, plan)
+        self.scheduler.requeue(needing, plan)
 
     def stats_fields(self) -> dict[str, int | float]:
         """The host tier's EngineStats fields."""
-        host = self.engine.pool.host
+        host = self.pool.host
         if host is None:
             return {}
         return {
@@ -99,5 +107,5 @@ class HostCopies:
             "kv_onboard_blocks": self.num_onboard_blocks,
             "kv_onboard_bytes": self.num_onboard_blocks * self.block_bytes,
             "kv_onboard_seconds": self.onboard_seconds,
-            "kv_host_hit_rate": self.engine.pool.host_hit_rate,
+            "kv_host_hit_rate": self.pool.host_hit_rate,
         }

@@ -9,12 +9,10 @@ A token at position p of a sequence lives in block `block_table[p // block_size]
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.engines.reference.varlen import VarlenPrefill
+from tandem.engines.reference.varlen_layout import VarlenPrefill
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -52,7 +50,7 @@ class AttentionMetadata:
     #: In a step that mixes prompt chunks with one-token sequences (decodes), those sequences,
     #: attended in one batch as in a decode step; None otherwise.
     decode_part: DecodePart | None = None
-    #: The prompt sequences' flash-attention layout (varlen.VarlenPrefill), built by the first
+    #: The prompt sequences' flash-attention layout (varlen.build_layout), built by the first
     #: layer that needs it and shared by the others.
     varlen: VarlenPrefill | None = None
 

@@ -17,76 +17,48 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine
 from tandem.engines.reference.batch import AttentionMetadata, allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.pooling import Pooler
-from tandem.engines.stream import RequestStream
-from tandem.engines.types import EngineRequest, EngineStats, KvLayout
-from tandem.errors import InvalidRequest, Unavailable, Unimplemented
+from tandem.engines.reference.side_engine import SideEngine
+from tandem.errors import InvalidRequest
 from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-class ReferenceEmbedEngine(Engine):
+class ReferenceEmbedEngine(SideEngine):
     """Engine.embed only; every token-generating call is refused."""
 
-    name = "reference"
+    what = "the embedding engine"
+    refusal = ("this worker computes embeddings only (an embedding worker, `tandem serve "
+               "embed`); send prompts to a prefill or decode worker")
 
     def __init__(self, model: DecoderModel, pooler: Pooler, max_model_len: int, block_size: int,
                  token_budget: int, device: torch.device) -> None:
-        super().__init__()
+        super().__init__(model.spec.dtype, max_model_len, block_size)
         self.model = model
         self.pooler = pooler
         self.device = device
         self.block_size = block_size
         #: Most tokens in one forward pass (a longer single input still runs, alone).
         self.token_budget = token_budget
-        spec = model.spec
-        self._layout = KvLayout(str(spec.dtype).removeprefix("torch."), 0, 0, 0, block_size)
-        self._max_model_len = max_model_len
         # One thread: forward passes never overlap, even when the call that started one is
         # cancelled while it runs.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-embed")
-        self._num_running = 0
-        self._closed = False
-
-    @property
-    def layout(self) -> KvLayout:
-        return self._layout
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    async def start(self) -> None:
-        return None
-
-    def add_request(self, request: EngineRequest) -> RequestStream:
-        raise Unimplemented("this worker computes embeddings only (an embedding worker, "
-                            "`tandem serve embed`); send prompts to a prefill or decode worker")
-
-    def abort(self, request_id: str) -> bool:
-        return False
 
     async def embed(self, inputs: Sequence[Sequence[int]],
                     dimensions: int | None = None) -> list[list[float]]:
-        if self._closed:
-            raise Unavailable("the embedding engine is closed")
-        self._validate(inputs)
-        self.pooler.check_dimensions(dimensions)
-        self._num_running += 1
-        try:
+        with self.running():
+            self._validate(inputs)
+            self.pooler.check_dimensions(dimensions)
             loop = asyncio.get_running_loop()
             result: list[list[float]] = []
             for batch in self._passes(inputs):
                 result.extend(await loop.run_in_executor(self._executor, self._run_pass, batch,
                                                          dimensions))
             return result
-        finally:
-            self._num_running -= 1
 
     def _validate(self, inputs: Sequence[Sequence[int]]) -> None:
         if not inputs:
@@ -159,13 +131,8 @@ class ReferenceEmbedEngine(Engine):
         pooled: list[list[float]] = self.pooler.pool(hidden, starts, ends, dimensions).cpu().tolist()
         return pooled
 
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=self._num_running, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0,
-            pending_prefill_tokens=0, active_decode_blocks=0, prefix_cache_hit_rate=0.0)
-
     async def close(self) -> None:
-        self._closed = True
+        await super().close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -4,18 +4,18 @@ full reference engine uses for its own (aggregated fallback) images."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 import torch
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.base import Engine
 from tandem.engines.reference.encoder import ImageEncoder
 from tandem.engines.reference.loader import load_vision
-from tandem.engines.stream import RequestStream
-from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout
-from tandem.errors import InvalidRequest, Unavailable, Unimplemented
+from tandem.engines.reference.side_engine import SideEngine
+from tandem.engines.types import Embedding, EngineStats
+from tandem.errors import InvalidRequest
 from tandem.model.config import ModelConfig
 from tandem.multimodal.encoder_cache import EncoderCache
 from tandem.multimodal.processor import ImageProcessorConfig
@@ -33,56 +33,26 @@ def create_image_encoder(args: EngineArgs, device: torch.device,
                         EncoderCache(args.encoder_cache_bytes), device, dtype)
 
 
-class ReferenceEncodeEngine(Engine):
+class ReferenceEncodeEngine(SideEngine):
     """Engine.encode only; every token-generating call is refused."""
 
-    name = "reference"
+    what = "the encode engine"
+    refusal = ("this worker runs only the vision encoder (--disaggregation-mode encode); send "
+               "prompts to a prefill or decode worker")
 
     def __init__(self, encoder: ImageEncoder, max_model_len: int, block_size: int) -> None:
-        super().__init__()
+        super().__init__(encoder.dtype, max_model_len, block_size)
         self.encoder = encoder
-        self._layout = KvLayout(str(encoder.dtype).removeprefix("torch."), 0, 0, 0, block_size)
-        self._max_model_len = max_model_len
-        self._num_running = 0
-        self._closed = False
-
-    @property
-    def layout(self) -> KvLayout:
-        return self._layout
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    async def start(self) -> None:
-        return None
-
-    def add_request(self, request: EngineRequest) -> RequestStream:
-        raise Unimplemented("this worker runs only the vision encoder (--disaggregation-mode "
-                            "encode); send prompts to a prefill or decode worker")
-
-    def abort(self, request_id: str) -> bool:
-        return False
 
     async def encode(self, images: Sequence[bytes]) -> list[Embedding]:
-        if self._closed:
-            raise Unavailable("the encode engine is closed")
-        self._num_running += 1
-        try:
+        with self.running():
             return await asyncio.to_thread(self.encoder.embed, list(images))
-        finally:
-            self._num_running -= 1
 
     def stats(self) -> EngineStats:
         encoder = self.encoder
-        return EngineStats(
-            num_running=self._num_running, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0,
-            pending_prefill_tokens=0, active_decode_blocks=0, prefix_cache_hit_rate=0.0,
-            num_encoded_images=encoder.num_encoded, encode_cache_hits=encoder.cache.num_hits,
-            encode_cache_size=len(encoder.cache))
-
-    async def close(self) -> None:
-        self._closed = True
+        return dataclasses.replace(
+            super().stats(), num_encoded_images=encoder.num_encoded,
+            encode_cache_hits=encoder.cache.num_hits, encode_cache_size=len(encoder.cache))
 
 
 def create_encode_engine(args: EngineArgs, config: ModelConfig, device: torch.device,

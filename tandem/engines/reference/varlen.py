@@ -14,11 +14,11 @@ the kernel maps each query head to its KV head. Sequences of the step's decode p
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
 
 import torch
 
 from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.reference.varlen_layout import VarlenPrefill
 
 
 def serves(q: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None,
@@ -31,44 +31,29 @@ def serves(q: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | No
             and (sliding_window is None or max(meta.context_lens) <= sliding_window))
 
 
-@dataclass(frozen=True, slots=True)
-class VarlenPrefill:
-    """The step's prompt sequences for flash attention, shared by every layer."""
-
-    #: [Tp] rows of q (the step's tokens) that belong to prompt sequences, in order.
-    rows: torch.Tensor
-    #: [Tk] flat KV slots of their contexts, sequence after sequence.
-    slots: torch.Tensor
-    #: [P + 1] int32 cumulative query and context lengths.
-    cum_q: torch.Tensor
-    cum_k: torch.Tensor
-    max_q: int
-    max_k: int
-    #: Every row of the step is a prompt row (no decode part): `rows` is then unused.
-    all_rows: bool
-
-    @staticmethod
-    def build(meta: AttentionMetadata, device: torch.device) -> VarlenPrefill:
-        skip = meta.decode_part.seqs if meta.decode_part is not None else frozenset()
-        seqs = [s for s in range(meta.num_seqs) if s not in skip]
-        lens_q = [meta.query_start_loc[s + 1] - meta.query_start_loc[s] for s in seqs]
-        lens_k = [meta.context_lens[s] for s in seqs]
-        # One host-to-device copy (pinned on CUDA: a pageable one may wait for the stream).
-        values = array.array("q", seqs)
-        for s in seqs:
-            values.extend(range(meta.query_start_loc[s], meta.query_start_loc[s + 1]))
-        for lens in (lens_q, lens_k):
-            values.append(0)
-            for n in lens:
-                values.append(values[-1] + n)
-        host = torch.frombuffer(values, dtype=torch.long)
-        flat = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
-                else host.to(device))
-        p = len(seqs)
-        seqs_t, rows, cum_q, cum_k = flat.split([p, sum(lens_q), p + 1, p + 1])
-        slots = _context_slots(meta, seqs_t if p < meta.num_seqs else None, sum(lens_k), cum_k)
-        return VarlenPrefill(rows, slots, cum_q.to(torch.int32), cum_k.to(torch.int32),
-                             max(lens_q), max(lens_k), p == meta.num_seqs)
+def build_layout(meta: AttentionMetadata, device: torch.device) -> VarlenPrefill:
+    """The step's prompt sequences for flash attention: their rows, context slots and
+    cumulative lengths (one host-to-device copy)."""
+    skip = meta.decode_part.seqs if meta.decode_part is not None else frozenset()
+    seqs = [s for s in range(meta.num_seqs) if s not in skip]
+    lens_q = [meta.query_start_loc[s + 1] - meta.query_start_loc[s] for s in seqs]
+    lens_k = [meta.context_lens[s] for s in seqs]
+    # One host-to-device copy (pinned on CUDA: a pageable one may wait for the stream).
+    values = array.array("q", seqs)
+    for s in seqs:
+        values.extend(range(meta.query_start_loc[s], meta.query_start_loc[s + 1]))
+    for lens in (lens_q, lens_k):
+        values.append(0)
+        for n in lens:
+            values.append(values[-1] + n)
+    host = torch.frombuffer(values, dtype=torch.long)
+    flat = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+            else host.to(device))
+    p = len(seqs)
+    seqs_t, rows, cum_q, cum_k = flat.split([p, sum(lens_q), p + 1, p + 1])
+    slots = _context_slots(meta, seqs_t if p < meta.num_seqs else None, sum(lens_k), cum_k)
+    return VarlenPrefill(rows, slots, cum_q.to(torch.int32), cum_k.to(torch.int32),
+                         max(lens_q), max(lens_k), p == meta.num_seqs)
 
 
 def _context_slots(meta: AttentionMetadata, seqs: torch.Tensor | None, total: int,
@@ -90,7 +75,7 @@ def flash_prefill(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetada
     """Writes the attention of the step's prompt rows of q [T, heads, D] into `out`."""
     varlen = meta.varlen
     if varlen is None:
-        varlen = meta.varlen = VarlenPrefill.build(meta, q.device)
+        varlen = meta.varlen = build_layout(meta, q.device)
     kv_heads, head_size = kv_layer.shape[-2], kv_layer.shape[-1]
     k = kv_layer[0].view(-1, kv_heads, head_size).index_select(0, varlen.slots)
     v = kv_layer[1].view(-1, kv_heads, head_size).index_select(0, varlen.slots)

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
+from tandem.engines.args import EngineArgs
 from tandem.engines.batching.scheduler import StepPlan
+from tandem.engines.reference.cuda_graphs import DecodeGraphs
 from tandem.engines.reference.sampler import SampleInput
-from tandem.engines.reference.step_inputs import build_step_inputs
+from tandem.engines.reference.step_inputs import StepInputs, build_step_inputs
 from tandem.engines.types import SamplingParams
-
-if TYPE_CHECKING:
-    from tandem.engines.reference.engine import ReferenceEngine
+from tandem.kv.block_pool import BlockPool
 
 #: Longest prompt chunk of one sequence in the warm steps.
 _CHUNK = 1024
@@ -60,7 +60,28 @@ class _Sequence:
                                                                   // self.block_size))
 
 
-def warm_eager_steps(engine: ReferenceEngine) -> int:
+class WarmedEngine(Protocol):
+    """What the warm steps use of the reference engine."""
+
+    @property
+    def args(self) -> EngineArgs: ...
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def kv_cache(self) -> torch.Tensor: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def graphs(self) -> DecodeGraphs | None: ...
+
+    def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
+                            prompt_ids: list[list[int]], encoded: dict[str, torch.Tensor],
+                            guides: list[Any]) -> object: ...
+
+
+def warm_eager_steps(engine: WarmedEngine) -> int:
     """Runs the steps of the module docstring (in a worker thread, before serving); returns
     how many ran."""
     args, bs = engine.args, engine.pool.block_size
@@ -92,7 +113,7 @@ def warm_eager_steps(engine: ReferenceEngine) -> int:
     return ran
 
 
-def _run(engine: ReferenceEngine, sequences: list[_Sequence]) -> None:
+def _run(engine: WarmedEngine, sequences: list[_Sequence]) -> None:
     for i, s in enumerate(sequences):
         s.sampling = _DRAWN if i % 2 else _GREEDY
     reqs = cast("list[Any]", sequences)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.engines.args import EngineArgs
@@ -44,6 +44,7 @@ from tandem.errors import (
     Unimplemented,
 )
 from tandem.model.config import ModelConfig
+from tandem.runtime.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class TrtllmEngine(Engine):
         result = self._submit(list(request.prompt_token_ids), request.sampling, True, params)
         flight = Flight(request, result, defer_abort=params is not None)
         self._flights[request.request_id] = flight
-        self._spawn(self._run_flight(flight))
+        spawn(self._run_flight(flight), self._tasks)
         return flight.stream
 
     async def _run_flight(self, flight: Flight) -> None:
@@ -277,10 +278,6 @@ class TrtllmEngine(Engine):
     async def _wait(result: Any) -> None:
         await result
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 def create_trtllm_engine(args: EngineArgs) -> TrtllmEngine:
