@@ -34,8 +34,8 @@ test: install $(NODE_CLIENT) lint
 lint: install
 	$(VENV)/bin/ruff check tandem services tests benchmarks
 	$(VENV)/bin/mypy tandem services
-	# Import circles (benchmarks/ joins once the benchmarks branch unties its last one).
-	$(PY) -m tandem.devtools.circles tandem services tests
+	# Import circles in tandem/, services/, tests/ and benchmarks/.
+	$(PY) -m tandem.devtools.circles
 
 # compose.yaml's cpu profile under podman, from an image built on a Debian base (mmdebstrap):
 # deploy/podman/setup.sh installs podman, runc and mmdebstrap through apt when missing.

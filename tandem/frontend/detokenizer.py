@@ -41,7 +41,7 @@ _COMPACT_TRIES = 8
 _MAX_UNREAD = 64
 # Longest chunk decoded with DecodeStream. It decodes the chunk twice and the previous one again,
 # the Python window the chunk and 5 tokens twice: past a few tokens the window costs less
-# (benchmarks/detokenize.py: DecodeStream 1.6x faster per token in chunks of 1, 1.2x in chunks of
+# (benchmarks/probes/detokenize.py: DecodeStream 1.6x faster per token in chunks of 1, 1.2x in chunks of
 # 4 on English, slower from 8 on).
 _STREAM_MAX_CHUNK = 4
 # How DecodeStream.step reports a window whose text no longer starts with the text it emitted.

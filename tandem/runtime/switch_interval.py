@@ -8,7 +8,7 @@ keeps it until the waiter has asked for it for a whole switch interval (5 ms by 
 the loop, woken by a socket, waits up to 5 ms for each turn, again and again while the other
 thread runs: requests and session frames are read in clusters (issue 25: a 64-request burst
 reached a decode worker's loop in clusters 8-9 ms apart on the H100 host, benchmarks/RESULTS.md,
-round 8). `benchmarks/gil_handoff.py` shows the mechanism: on the 2-core development VM, with
+round 8). `benchmarks/probes/gil_handoff.py` shows the mechanism: on the 2-core development VM, with
 ~17 us of Python between a thread's GIL releases, a loop's wake-ups waited p99 5.9 ms at 5 ms,
 5.3 ms at 1 ms and 3.1 ms at 0.2 ms. Every service process sets TANDEM_SWITCH_INTERVAL_MS
 before it serves, where that is shorter than Python's; unset (or 0), Python's 5 ms stays: the

@@ -24,13 +24,7 @@ def test_tandem_services_and_tests_import_in_no_circle() -> None:
     assert not found, "import circles (python -m tandem.devtools.circles):\n" + _cycles_text(found)
 
 
-# ENABLE AFTER THE BENCHMARKS BRANCH MERGES: delete the xfail marker below. benchmarks/mixed_gpu.py
-# <-> benchmarks/serve_gpu.py is untied on the branch that reorganises benchmarks/; until then this
-# fails as expected, and once that circle is gone it passes and strict xfail fails the run, as a
-# reminder to delete the marker.
-@pytest.mark.xfail(strict=True, reason="benchmarks/mixed_gpu.py <-> serve_gpu.py: untied on the "
-                   "benchmarks branch; delete this marker once it has merged")
-def test_benchmarks_import_in_no_circle() -> None:
+def test_the_whole_tree_with_benchmarks_imports_in_no_circle() -> None:
     found = circles.cycles(circles.import_graph(ROOT))
     assert not found, "import circles (python -m tandem.devtools.circles):\n" + _cycles_text(found)
 

@@ -9,7 +9,7 @@ buffer and no scatter/gather pass. On the lent H100 (PCIe 5) that moves a step's
 ~0.9x one plain pinned copy of the same bytes, each way. The per-block DMAs through a device
 staging buffer that it replaces reached 0.83-0.88x once warm, but their first copy each way
 ran at 6-11 GB/s (index kernels loaded lazily, staging allocated inside the timed region);
-benchmarks/RESULTS.md, "Host KV tier", and benchmarks/host_copy_probe.py. The kernel runs on
+benchmarks/RESULTS.md, "Host KV tier", and benchmarks/probes/host_copy_probe.py. The kernel runs on
 SMs: beside a forward pass it would get ~0.6x where the copy engines' DMAs keep ~0.87x, but
 here a step's copies and its forward pass never overlap. It is compiled (both directions) when
 the store is made, so that no timed copy includes a compile. The compute stream waits on an

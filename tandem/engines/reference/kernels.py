@@ -247,7 +247,7 @@ if triton is not None:
         key=["n_rows", "k_cols", "BLOCK_M"])
     # m_rows unspecialized: Triton compiles a variant per divisibility of an int argument,
     # and an eager step's row count (17-31 sampled rows, say) would otherwise compile one on a
-    # request's step (~110-240 ms on an H100, benchmarks/prefill_gpu.py --burst) that the
+    # request's step (~110-240 ms on an H100, benchmarks/probes/prefill_gpu.py --burst) that the
     # graphs' bucket sizes never did. It only masks rows.
     @triton.jit(do_not_specialize=["m_rows"])
     def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m_rows, n_rows, k_cols,

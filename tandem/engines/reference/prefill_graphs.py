@@ -3,7 +3,7 @@
 A step with prompt chunks runs eagerly (its attention reads variable-length contexts that no
 graph can hold), and on the 8B shape its ~450 launches cost the host ~17-25 ms whatever the
 token count, against ~8 ms of device work for one 200-token prompt on an H100 (issue 25,
-`benchmarks/prefill_gpu.py`). So a step of up to `TOKEN_BUCKETS[-1]` tokens is padded to a
+`benchmarks/probes/prefill_gpu.py`). So a step of up to `TOKEN_BUCKETS[-1]` tokens is padded to a
 token bucket and run as num_layers + 1 graphs, one per stretch between two attentions, as vLLM's
 piecewise graphs do:
 
