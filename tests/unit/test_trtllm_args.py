@@ -250,3 +250,14 @@ def test_missing_tensorrt_llm_says_how_to_install(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # what `import` sees when absent
     with pytest.raises(Unavailable, match=r"pip install 'tandem\[trtllm\]'"):
         create_trtllm_engine(EngineArgs(model=tiny_model))
+
+
+def test_fp8_kv_cache_maps_to_kv_cache_config_and_online_fp8_is_refused() -> None:
+    from tandem.engines.trtllm.args import from_flags
+
+    kwargs = from_flags(EngineArgs(kv_cache_dtype="fp8"))
+    assert kwargs["kv_cache_config"]["dtype"] == "fp8"
+    assert "dtype" not in from_flags(EngineArgs())["kv_cache_config"]
+    with pytest.raises(InvalidRequest, match="reference engine only"):
+        from_flags(EngineArgs(quantization="fp8"))
+

@@ -49,6 +49,13 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
     }
     if args.num_gpu_blocks:
         kv["max_tokens"] = args.num_gpu_blocks * args.kv_block_size
+    if args.kv_cache_dtype != "auto":  # KvCacheConfig.dtype: "auto" or "fp8", as ours
+        kv["dtype"] = args.kv_cache_dtype
+    if args.quantization != "auto":
+        raise InvalidRequest("--quantization fp8 quantizes while loading in the reference "
+                             "engine only; TensorRT-LLM reads a checkpoint's own "
+                             "quantization (hf_quant_config.json, quantization_config): serve "
+                             "an FP8 checkpoint", param="quantization")
     if args.kv_host_cache_bytes:
         # TensorRT-LLM's own host tier (a secondary block pool; onboard_blocks, True by
         # default, brings hits back to the GPU): the same bytes, the same meaning.
