@@ -26,6 +26,9 @@ class Load:
     mean_isl: float
     #: Mean generated length, tokens.
     mean_osl: float
+    #: Requests in flight at the interval's end (the frontends' gauge: decoding and queued);
+    #: not predicted, set by the loop from the last interval; 0 when unknown.
+    inflight: float = 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:
