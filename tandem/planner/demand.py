@@ -8,10 +8,12 @@ carries within the pool's target, read from its profile as corrected by the live
   its output). The streams come from Little's law, L = lambda x W: requests arrive at lambda =
   rate, and each decodes for W = OSL x ITL. With W taken at the ITL target, L is the most
   streams the load can keep in flight while the pool meets its target (a faster pool finishes
-  them sooner and holds fewer). The requests in flight at the interval's end are a floor on
-  it: while a burst queues on a saturated pool, few of its requests reached their first token,
-  so the rate (counted at the first token) reads low for an interval or two, but every queued
-  request is in flight.
+  them sooner and holds fewer). The requests in flight at the interval's end, when they grew
+  over it, are a floor on it: while a burst queues on a saturated pool, few of its requests
+  reached their first token, so the rate (counted at the first token) reads low for an
+  interval or two, but every queued request is in flight. Not when they did not grow: streams
+  left running after a load stops need no new workers, and the pool may shrink under them
+  (its removed workers drain them).
 - Aggregated: one worker does both, so its two shares add (a worker at 60% of its prefill
   capacity has 40% of its time left to decode). Linear, and so conservative where the engine
   overlaps prefill with decode.

@@ -92,7 +92,7 @@ class PlannerLoop:
         self.predictor.observe(seen.request_rate, seen.mean_isl, seen.mean_osl)
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
-        load = dataclasses.replace(predicted, inflight=seen.num_inflight)
+        load = dataclasses.replace(predicted, inflight=seen.backlog)
         actual = await self.connector.actual()
         if self.decider is None:  # a (re)started planner takes the deployment as it is
             self.decider = Decider(self.plan, actual)
