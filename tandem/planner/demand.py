@@ -8,7 +8,12 @@ carries within the pool's target, read from its profile as corrected by the live
   its output). The streams come from Little's law, L = lambda x W: requests arrive at lambda =
   rate, and each decodes for W = OSL x ITL. With W taken at the ITL target, L is the most
   streams the load can keep in flight while the pool meets its target (a faster pool finishes
-  them sooner and holds fewer).
+  them sooner and holds fewer). The requests in flight at the interval's end, when they grew
+  over it, are a floor on it: while a burst queues on a saturated pool, few of its requests
+  reached their first token, so the rate (counted at the first token) reads low for an
+  interval or two, but every queued request is in flight. Not when they did not grow: streams
+  left running after a load stops need no new workers, and the pool may shrink under them
+  (its removed workers drain them).
 - Aggregated: one worker does both, so its two shares add (a worker at 60% of its prefill
   capacity has 40% of its time left to decode). Linear, and so conservative where the engine
   overlaps prefill with decode.
@@ -117,11 +122,15 @@ def _prefill_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tup
 
 
 def _decode_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
-    demand = concurrent_streams(load, pool.itl_target_ms)
+    little = concurrent_streams(load, pool.itl_target_ms)
+    demand = max(little, load.inflight)
     context = decode_context_length(load)
     capacity = model.decode_capacity(context, pool.itl_target_ms)
-    what = (f"{_num(demand)} streams ({_num(load.request_rate)} req/s x OSL "
-            f"{load.mean_osl:.0f} x ITL {pool.itl_target_ms:g} ms) at context {context:.0f} "
+    source = (f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL "
+              f"{pool.itl_target_ms:g} ms" if little >= load.inflight else
+              f"in flight; {_num(little)} by {_num(load.request_rate)} req/s x OSL "
+              f"{load.mean_osl:.0f} x ITL {pool.itl_target_ms:g} ms")
+    what = (f"{_num(demand)} streams ({source}) at context {context:.0f} "
             f"over {_num(capacity)} streams per worker within ITL {pool.itl_target_ms:g} ms"
             f"{_corrected(model.decode)}")
     return _share(demand, capacity, what)

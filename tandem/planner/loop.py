@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -89,8 +90,9 @@ class PlannerLoop:
             return None
         seen = frontend_interval(before, after, self.model_name)
         self.predictor.observe(seen.request_rate, seen.mean_isl, seen.mean_osl)
-        load = self.predictor.predict()
-        assert load is not None  # observed one above
+        predicted = self.predictor.predict()
+        assert predicted is not None  # observed one above
+        load = dataclasses.replace(predicted, inflight=seen.backlog)
         actual = await self.connector.actual()
         if self.decider is None:  # a (re)started planner takes the deployment as it is
             self.decider = Decider(self.plan, actual)
@@ -198,7 +200,7 @@ def _worker_gauges(load: PoolLoad | None) -> dict[str, float]:
 
 def _scaled(load: Load, share: float) -> Load:
     return load if share == 1.0 else Load(load.request_rate * share, load.mean_isl,
-                                          load.mean_osl)
+                                          load.mean_osl, load.inflight * share)
 
 
 def _streams_per_worker(pool: PlannerPoolConfig, seen: FrontendInterval, rate: float, num: int,

@@ -58,8 +58,15 @@ class FrontendInterval:
     itl_ms: float | None
     mean_ttft_ms: float | None
     mean_itl_ms: float | None
-    #: Requests being served at the later scrape.
+    #: Requests being served at the later scrape, and at the earlier one.
     num_inflight: float
+    num_inflight_before: float = 0.0
+
+    @property
+    def backlog(self) -> float:
+        """The requests in flight at the later scrape when more than at the earlier (a load
+        arriving faster than it is served, as a burst queued on a saturated pool); else 0."""
+        return self.num_inflight if self.num_inflight > self.num_inflight_before else 0.0
 
 
 def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
@@ -82,7 +89,8 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
         itl_ms=_ms(itl.quantile(quantile)),
         mean_ttft_ms=_ms(ttft.mean),
         mean_itl_ms=_ms(itl.mean),
-        num_inflight=sum(after.gauges(INFLIGHT, match).values()))
+        num_inflight=sum(after.gauges(INFLIGHT, match).values()),
+        num_inflight_before=sum(before.gauges(INFLIGHT, match).values()))
 
 
 @dataclass(frozen=True)

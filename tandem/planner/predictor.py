@@ -26,6 +26,10 @@ class Load:
     mean_isl: float
     #: Mean generated length, tokens.
     mean_osl: float
+    #: Requests in flight at the interval's end (the frontends' gauge: decoding and queued)
+    #: when they grew over it (FrontendInterval.backlog); not predicted, set by the loop from
+    #: the last interval; 0 when unknown or not growing.
+    inflight: float = 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:

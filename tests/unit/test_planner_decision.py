@@ -62,6 +62,24 @@ def test_demand_matches_the_hand_computed_figures() -> None:
     assert decision.summary() == "interval 0: prefill 1 -> 3, decode 1 -> 2; 5 GPUs"
 
 
+def test_requests_in_flight_are_a_floor_on_the_decode_streams() -> None:
+    """A burst queued on a saturated pool: few of its requests reached their first token, so
+    the rate reads 4 req/s (16 streams by Little's law, 0.4 workers), but 120 are in flight:
+    3 workers. Prefill is sized on the rate alone (the queued prompts are counted when they
+    arrive at it)."""
+    config = disagg()
+    burst = Load(4, 1000, 100, inflight=120)
+    prefill, decode = Decider(config).decide(same_load(config, burst), models(config)).pools
+    assert decode.demand == pytest.approx(3) and decode.target == 3
+    assert "120 streams (in flight; 16 by 4 req/s x OSL 100 x ITL 40 ms)" in decode.reason
+    assert prefill.demand == pytest.approx(4000 / 7500)
+    # Fewer in flight than Little's law at the target (a pool faster than its target): the
+    # rate decides, as without the floor.
+    calm = Load(16, 1000, 100, inflight=30)
+    assert Decider(config).decide(same_load(config, calm), models(config)).pools[1].demand \
+        == pytest.approx(1.6)
+
+
 def test_an_exact_demand_is_not_rounded_up_by_float_error() -> None:
     assert step(Decider(disagg()), rate=15).targets() == {"prefill": 2, "decode": 2}
 

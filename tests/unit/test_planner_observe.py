@@ -66,7 +66,12 @@ def test_an_interval_of_frontend_traffic() -> None:
     # ITL: 40 chunks, 30 x 20 ms (bucket 0.01-0.025], 10 x 300 ms (0.25-0.5]; rank 36 falls in
     # (0.25, 0.5] holding 31..40: 0.25 + 0.25 * (36 - 30) / 10.
     assert seen.itl_ms == pytest.approx(400)
-    assert seen.num_inflight == 1
+    assert seen.num_inflight == 1 and seen.num_inflight_before == 0
+    # More in flight than at the interval's start: a backlog (the planner's floor on streams);
+    # the other way round, none.
+    assert seen.backlog == 1
+    assert frontend_interval(after, parse_scrape({"frontend-0": _page(FrontendMetrics("demo"))},
+                                                 time_s=130.0), model="demo").backlog == 0
     assert frontend_interval(before, after, model="other").request_rate == 0
 
 
