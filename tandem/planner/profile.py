@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from tandem.errors import InvalidRequest
+from tandem.jsonfile import read_json_file
 
 PROFILE_VERSION = 1
 #: One interval's observed/predicted ratio is clamped to [1/4, 4] before it enters the
@@ -167,14 +168,7 @@ def profile_from_dict(data: Mapping[str, object]) -> WorkerProfile:
 
 def read_profile(path: str | os.PathLike[str]) -> WorkerProfile:
     """Reads a profile JSON file. Raises OSError if unreadable, InvalidRequest if invalid."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"profile {os.fspath(path)} is not valid JSON: {e.msg} "
-                             f"(line {e.lineno})") from None
-    return profile_from_dict(data)
+    return profile_from_dict(read_json_file(path, "profile"))
 
 
 def write_profile(profile: WorkerProfile, path: str | os.PathLike[str]) -> None:

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.errors import InvalidRequest
+from tandem.jsonfile import read_json_file
 from tandem.routing.grid import (
     Axis,
     GridConfig,
@@ -226,14 +227,7 @@ def load_grid_config(data: Mapping[str, object]) -> GridConfig:
 def read_grid_config_file(path: str | os.PathLike[str]) -> GridConfig:
     """Reads and validates a JSON config file. Raises OSError if it cannot be read,
     InvalidRequest if it is not valid JSON or not a valid config."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"grid config {os.fspath(path)!s} is not valid JSON: {e.msg} "
-                             f"(line {e.lineno}, column {e.colno})") from None
-    return load_grid_config(data)
+    return load_grid_config(read_json_file(path, "grid config"))
 
 
 def _pool_set(top: _Section, spec: _StrategyKeys, mode: Mode) -> PoolSet:

@@ -119,23 +119,20 @@ class Mirror:
             for conn in self.conns if rank is None else [self.conns[rank - 1]]:
                 conn.send(command)
 
-    def _send(self, command: tuple[object, ...]) -> None:
-        self.send(command)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> None:
         """Before rank 0's DecoderModel.forward: the followers run theirs on the same step."""
         header, flat = pack_step(input_ids, positions, meta)
-        self._send(("forward", header))
+        self.send(("forward", header))
         self.tp.broadcast(flat)
 
     def logits(self, hidden: torch.Tensor) -> None:
         """Before rank 0's compute_logits: the followers project the same rows onto their
         part of the vocabulary."""
-        self._send(("logits", tuple(hidden.shape)))
+        self.send(("logits", tuple(hidden.shape)))
         self.tp.broadcast(hidden.contiguous())
 
     def copy_blocks(self, offloads: Sequence[tuple[int, int]],
                     onboards: Sequence[tuple[int, int]], sync: bool) -> None:
         """Before rank 0's host-tier copies: the followers copy the same blocks of theirs."""
-        self._send(("copy", list(offloads), list(onboards), sync))
+        self.send(("copy", list(offloads), list(onboards), sync))
