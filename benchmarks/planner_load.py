@@ -589,7 +589,8 @@ def main() -> None:
     text = table(args, summaries)
     print(text)
     (out / f"{name}.json").write_text(json.dumps(
-        {"args": vars(args), "summaries": summaries, "runs": {
+        {"args": {**vars(args), "out_dir": os.path.relpath(args.out_dir, ROOT)},
+         "summaries": summaries, "runs": {
             k: {"samples": v["samples"], "decisions": v["decisions"], "stop_s": v["stop_s"]}
             for k, v in runs.items()}, "table": text}, indent=1))
     plot(args, runs, summaries, out / f"{name}.png")
