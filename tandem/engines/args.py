@@ -29,6 +29,13 @@ class EngineArgs:
     #: the host tier and KV transfers move the FP8 blocks as they are, and both sides of a
     #: transfer need the same dtype).
     kv_cache_dtype: str = "auto"
+    #: Speculative decoding, a JSON object (vLLM's and TensorRT-LLM's spirit): method
+    #: ngram (prompt lookup) or draft_model (a small model of the same tokenizer),
+    #: num_speculative_tokens, the method's own settings (prompt_lookup_min/max; model) and
+    #: disable_by_batch_size (no step speculates while more requests run; default 8, 0:
+    #: never turned down). Empty: off. Greedy and seeded output is the same as without it.
+    #: See tandem.engines.speculative.
+    speculative_config: str = ""
     #: Reference engine on CUDA: run decode steps eagerly instead of through CUDA graphs.
     enforce_eager: bool = False
     #: Reference engine on CUDA: run steps with prompt tokens eagerly instead of through

@@ -67,6 +67,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: None: unconstrained; else the constraint the output must follow.
     guided: GuidedDecoding | None = None
+    #: False: this request is never speculated (where the worker runs speculative decoding).
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -97,6 +99,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    #: Speculative decoding: proposed tokens the target accepted, and those it rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +350,13 @@ class EngineStats:
     kv_transfer_buffer_blocks_total: int = 0
     kv_reads_buffered: int = 0
     kv_reads_by_region: int = 0
+    #: Speculative decoding (tandem.engines.speculative.speculation.SpecCounters): verify
+    #: passes of one request with proposals, tokens proposed and accepted, and how often the
+    #: proposal at each position (1 first) was accepted.
+    spec_verify_passes: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -343,6 +343,22 @@ class BlockPool:
         table.block_ids.clear()
         table.num_committed = 0
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Releases the blocks of `table` past those that hold `num_tokens` tokens (speculative
+        decoding: blocks taken for proposals that verification rejected). They were never
+        committed, so they go back as empty blocks, unhashed."""
+        keep = self.blocks_for(num_tokens)
+        if keep < table.num_committed:
+            raise AssertionError(f"truncating to {keep} blocks would drop committed ones "
+                                 f"({table.num_committed})")
+        ref, empty = self._ref, self._empty
+        while len(table.block_ids) > keep:
+            b = table.block_ids.pop()
+            assert self._hash[b] is None, f"block {b} past the committed ones is hashed"
+            ref[b] -= 1
+            if ref[b] == 0:
+                empty.append(b)
+
     def clear(self) -> None:
         """Forgets every cached hash in both tiers (held blocks stay held but become private)
         and publishes AllBlocksCleared."""

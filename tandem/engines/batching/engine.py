@@ -44,6 +44,7 @@ from tandem.engines.batching.validation import (  # noqa: F401  (validate_args: 
     validate_args,
 )
 from tandem.engines.guided.matcher import Grammars, Guide
+from tandem.engines.speculative.speculation import Speculation
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
     EngineRequest,
@@ -132,6 +133,9 @@ class BatchingEngine(Engine):
         self._grammars: Grammars | None = None
         #: The step launched ahead whose tokens are not applied yet (see `_launch`).
         self._ahead: StepAhead | None = None
+        #: Speculative decoding (--speculative-config; set by a backend that verifies
+        #: proposals): None when off.
+        self.speculation: Speculation | None = None
 
     @property
     def layout(self) -> KvLayout:
@@ -329,7 +333,8 @@ class BatchingEngine(Engine):
         self._requests.pop(req.request_id, None)
 
     def _usage(self, req: BatchRequest) -> Usage:
-        return Usage(req.num_prompt, req.num_output, req.num_cached)
+        return Usage(req.num_prompt, req.num_output, req.num_cached, req.num_accepted,
+                     req.num_proposed - req.num_accepted)
 
     def _finish(self, req: BatchRequest, reason: FinishReason) -> None:
         self._end(req)
@@ -408,11 +413,14 @@ class BatchingEngine(Engine):
         launched ahead instead, and applied when the next step settles it). Returns the plan,
         or None when nothing could run: blocks held outside the batch must come back first."""
         ahead = self._ahead
+        speculating = self._is_speculating()
         if ahead is not None:
             await ahead.host_done()
-            if not may_schedule_ahead(self.scheduler, ahead):
-                await self._settle()
+            if speculating or not may_schedule_ahead(self.scheduler, ahead):
+                await self._settle()  # proposals need every token on the host
                 ahead = None
+        if speculating:
+            await self._propose()
         plan = self.scheduler.schedule()
         self.num_steps += 1
         if not await self._run_ahead(plan, ahead):
@@ -464,6 +472,7 @@ class BatchingEngine(Engine):
         requests still alive."""
         launched = None
         if (is_plain_decode(plan) and not self.pool.has_copies and not self._gate.is_armed
+                and not self._is_speculating()
                 and (ahead is None or same_requests(plan, [r for r in ahead.reqs
                                                             if not r.is_finished]))):
             launched = self._launch(plan, ahead)
@@ -499,6 +508,8 @@ class BatchingEngine(Engine):
             self.scheduler.compact()
 
     def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
+        """Emits the step's tokens: the first tokens of transferred requests, then what each
+        ready request sampled (one row, or 1 + its proposals' rows: `_verify`)."""
         finished_any = False
         for req in plan.first_tokens:
             if req.is_finished:  # aborted while the step ran
@@ -507,11 +518,65 @@ class BatchingEngine(Engine):
             assert first is not None
             req.first_token = None
             finished_any |= self._emit(req, first.token_id, first)
-        for req, (token, logprob) in zip(plan.ready, sampled, strict=True):
-            if not req.is_finished:
+        row = 0
+        for req in plan.ready:
+            rows = 1 + req.num_draft
+            if req.is_finished:
+                pass
+            elif rows > 1:
+                finished_any |= self._verify(req, sampled[row:row + rows])
+            else:
+                token, logprob = sampled[row]
                 finished_any |= self._emit(req, token, logprob, sampled=True)
+            row += rows
+        if row != len(sampled):
+            raise RuntimeError(f"the step sampled {len(sampled)} rows for {row} positions")
         if finished_any:
             self.scheduler.compact()
+
+    # ---- speculative decoding (tandem.engines.speculative.speculation) ------------------------
+
+    def _is_speculating(self) -> bool:
+        spec = self.speculation
+        return spec is not None and spec.is_active(len(self.scheduler.running))
+
+    async def _propose(self) -> None:
+        """Appends proposals to the running requests that may speculate, before the step is
+        scheduled (which computes them with each request's last token)."""
+        spec = self.speculation
+        assert spec is not None
+        reqs, ks = [], []
+        for req in self.scheduler.running:
+            k = spec.budget(req)
+            if k:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            return
+        proposer = spec.proposer
+        drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
+                  else proposer.propose(reqs, ks))
+        for req, k, proposed in zip(reqs, ks, drafts, strict=True):
+            if proposed and not req.is_finished:  # an abort may have come meanwhile
+                req.add_drafts(proposed[:k])
+
+    def _verify(self, req: BatchRequest, sampled: list[Sampled]) -> bool:
+        """Emits what one request's verify pass accepted: the draws that equal its proposals,
+        then the next draw; rolls the rejected positions back. True when it finished."""
+        spec = self.speculation
+        assert spec is not None
+        drafts = req.drop_drafts()
+        accepted = spec.accepted(drafts, [token for token, _ in sampled])
+        spec.counters.record(len(drafts), accepted)
+        req.num_accepted += accepted
+        for token, logprob in sampled[:accepted + 1]:
+            if self._emit(req, token, logprob, sampled=True):
+                return True
+        # The KV of the accepted tokens was computed from the right context; the rest is
+        # dropped with the blocks taken for it.
+        req.num_computed = len(req.token_ids) - 1
+        self.pool.truncate(req.table, len(req.token_ids))
+        return False
 
     def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None,
               sampled: bool = False, taken: bool = False) -> bool:
@@ -595,7 +660,16 @@ class BatchingEngine(Engine):
             **self.host_copies.stats_fields(),  # type: ignore[arg-type]
             # Not self.transfer: stats must not create the transfer (and its NIXL agent).
             **(self._transfer.buffer_stats() if self._transfer is not None else {}),
+            **self._spec_stats(),  # type: ignore[arg-type]
         )
+
+    def _spec_stats(self) -> dict[str, object]:
+        if self.speculation is None:
+            return {}
+        c = self.speculation.counters
+        return {"spec_verify_passes": c.verify_passes, "spec_proposed_tokens": c.proposed_tokens,
+                "spec_accepted_tokens": c.accepted_tokens,
+                "spec_accepted_by_position": tuple(c.accepted_by_position)}
 
 
 def _grammar_takes(guide: Guide, token: int, sampled: bool, taken: bool) -> bool:

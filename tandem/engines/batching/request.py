@@ -42,7 +42,8 @@ class BatchRequest:
     __slots__ = ("request_id", "sampling", "stream", "token_ids", "num_prompt", "num_output",
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "status", "stop_ids", "min_tokens", "prompt_logprobs",
-                 "kv_handle", "lease_ms", "context", "embeddings", "guide", "num_pending")
+                 "kv_handle", "lease_ms", "context", "embeddings", "guide", "num_pending",
+                 "num_draft", "draft_state", "num_proposed", "num_accepted")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None,
@@ -93,6 +94,14 @@ class BatchRequest:
         #: 1 while token_ids ends with a token still on the device (a PLACEHOLDER: see
         #: tandem.engines.batching.ahead), else 0.
         self.num_pending = 0
+        #: Proposed tokens at the end of token_ids, not verified yet (speculative decoding:
+        #: set before a step schedules them, cleared when its samples are applied).
+        self.num_draft = 0
+        #: The proposer's own per-request state (an n-gram index, a draft model's progress).
+        self.draft_state: object = None
+        #: Tokens proposed for this request, and those its verify passes accepted (Usage).
+        self.num_proposed = 0
+        self.num_accepted = 0
 
     @property
     def is_finished(self) -> bool:
@@ -110,7 +119,30 @@ class BatchRequest:
     @property
     def is_prefilling(self) -> bool:
         """Whether its next computed tokens are prompt (or recomputed) tokens, not a decode."""
-        return self.num_output == 0 or self.num_computed < len(self.token_ids) - 1
+        return (self.num_output == 0
+                or self.num_computed < len(self.token_ids) - 1 - self.num_draft)
+
+    @property
+    def num_final(self) -> int:
+        """Tokens known for good: token_ids without a placeholder or proposed tokens."""
+        return len(self.token_ids) - self.num_pending - self.num_draft
+
+    def add_drafts(self, token_ids: list[int]) -> None:
+        """Appends proposed tokens, to be computed and verified by the next step."""
+        self.token_ids.extend(token_ids)
+        self.num_draft = len(token_ids)
+        self.num_proposed += len(token_ids)
+
+    def drop_drafts(self, count: int | None = None) -> list[int]:
+        """Takes the last `count` (default: all) proposed tokens back out of token_ids and
+        returns them."""
+        count = self.num_draft if count is None else min(count, self.num_draft)
+        if not count:
+            return []
+        dropped = self.token_ids[-count:]
+        del self.token_ids[-count:]
+        self.num_draft -= count
+        return dropped
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """The chained hashes of the first `num_blocks` full blocks (computed once, cached)."""

@@ -92,6 +92,7 @@ class Scheduler:
         self.running = [r for r in self.running if r not in reqs]
         for req in reqs:
             self.pool.free(req.table)
+            req.drop_drafts()
             req.num_computed = 0
             self.waiting.appendleft(req)
             self.num_preemptions += 1
@@ -99,6 +100,7 @@ class Scheduler:
     def _preempt_newest(self) -> BatchRequest:
         victim = self.running.pop()
         self.pool.free(victim.table)
+        victim.drop_drafts()
         victim.num_computed = 0
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -110,7 +112,8 @@ class Scheduler:
         req.num_computed += n
         plan.scheduled.append((req, n))
         # A block holding a token still on the device (a placeholder) is not hashed yet.
-        full = min(req.num_computed, len(req.token_ids) - req.num_pending) // self.block_size
+        # Nor one holding a proposed token: verification may reject it.
+        full = min(req.num_computed, req.num_final) // self.block_size
         if full > req.table.num_committed and self.pool.enable_prefix_caching:
             hashes = req.block_hashes(full, self.block_size)
             self.pool.commit(req.table, req.token_ids, hashes, full, req.mm_per_block)
@@ -129,7 +132,8 @@ class Scheduler:
             req = running[i]
             n = len(req.token_ids) - req.num_computed
             if n > budget:
-                n = budget
+                req.drop_drafts(n - budget)  # proposals go before the token they follow
+                n = min(len(req.token_ids) - req.num_computed, budget)
             target = req.num_computed + n
             # Fast path: the request's last block still has room.
             if target > len(req.table.block_ids) * block_capacity:

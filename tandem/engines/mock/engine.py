@@ -147,6 +147,10 @@ def create_mock_engine(args: EngineArgs) -> MockEngine:
         raise InvalidRequest("the mock engine computes no embeddings, so it cannot run an "
                              "embedding worker; use --engine reference with an embedding model",
                              param="engine")
+    if args.speculative_config:
+        # Its tokens are drawn, not computed: there is nothing a proposal could be checked by.
+        raise InvalidRequest("the mock engine does not speculate; --speculative-config needs "
+                             "--engine reference (or trtllm)", param="speculative_config")
     if args.speedup_ratio < 0:
         raise InvalidRequest(f"speedup_ratio must be >= 0, got {args.speedup_ratio}",
                              param="speedup_ratio")

@@ -52,6 +52,7 @@ from tandem.engines.reference.sampler import SampleInput, Sampler, prompt_logpro
 from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_step_inputs
 from tandem.engines.reference.transfer import create_nixl_transfer
 from tandem.engines.reference.warmup import warm_eager_steps
+from tandem.engines.speculative.create import create_speculation
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
 from tandem.kv.host_tier import BlockCopies
@@ -235,7 +236,7 @@ class ReferenceEngine(BatchingEngine):
         samples = _sample_inputs(plan)
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
-        guides = [req.guide for req in plan.ready]
+        guides = [guide for req in plan.ready for guide in (req.guide, *[None] * req.num_draft)]
         sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
                                                       prompt_ids, encoded, guides)
         for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
@@ -328,11 +329,13 @@ class ReferenceEngine(BatchingEngine):
 
 
 def _sample_inputs(plan: StepPlan) -> list[SampleInput]:
-    """What the sampler reads of each ready request (views of its tokens, taken now)."""
+    """What the sampler reads of each ready request (views of its tokens, taken now): one row,
+    or one per position a verify pass scores, whose output runs up to the proposals before it
+    (so each row is drawn as a plain step at that position would draw it)."""
     return [SampleInput(req.sampling, TokenSpan(req.token_ids, 0, req.num_prompt),
-                        TokenSpan(req.token_ids, req.num_prompt, len(req.token_ids)),
-                        req.stop_ids, req.key)
-            for req in plan.ready]
+                        TokenSpan(req.token_ids, req.num_prompt, end), req.stop_ids, req.key)
+            for req in plan.ready
+            for end in range(len(req.token_ids) - req.num_draft, len(req.token_ids) + 1)]
 
 
 def transfer_buffer_blocks(args: EngineArgs, pool_blocks: int) -> int:
@@ -441,6 +444,8 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
         "kv_cache_bytes": num_blocks * bytes_per_block, "architecture": spec.architecture,
         "tensor_parallel_size": tp.size})
     engine = ReferenceEngine(args, config, model, kv_cache, device, encoder, followers)
+    if args.speculative_config:
+        engine.speculation = create_speculation(args, engine)
     if followers is not None:
         host = engine.pool.host
         followers.allocate(num_blocks, host.total if host is not None else 0)

@@ -52,7 +52,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    #: Row of the flattened batch whose logits each ready request samples from (plan.ready order).
+    #: Rows of the flattened batch whose logits the ready requests sample from (plan.ready
+    #: order): each request's last row, preceded by one row per proposed token it verifies.
     sample_rows: torch.Tensor
     #: Requests wanting prompt logprobs: (request, first row, first position, row count, k).
     prompt_spans: list[tuple[BatchRequest, int, int, int, int]]
@@ -103,7 +104,8 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device,
         tables.append(list(blocks[:(end + block_size - 1) // block_size]))
         last_row[id(req)] = len(token_ids) - 1
     width = max((len(t) for t in tables), default=1)
-    rows = [last_row[id(req)] for req in plan.ready]
+    rows = [row for req in plan.ready
+            for row in range(last_row[id(req)] - req.num_draft, last_row[id(req)] + 1)]
     is_decode_only = all(n == 1 for _, n in plan.scheduled)
     # A mixed step's one-token sequences (decodes beside prompt chunks): attended in one batch.
     singles = [] if is_decode_only else [s for s, (_, n) in enumerate(plan.scheduled) if n == 1]

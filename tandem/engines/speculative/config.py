@@ -11,6 +11,7 @@ silently turn a setting off.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,9 +31,16 @@ MAX_SPECULATIVE_TOKENS = 16
 #: vLLM's defaults when neither bound is given: match 5-grams only.
 DEFAULT_PROMPT_LOOKUP = 5
 
+#: Requests running past which no step speculates (the default policy): a verify pass
+#: computes k + 1 positions per request, which costs little while a step is bound by reading
+#: the weights and more than it saves once the batch makes it compute-bound. Measured on the
+#: H200 (benchmarks/spec_gpu.py; benchmarks/history/engine.md, "Speculative decoding").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
 _PARAM = "speculative_config"
 _KEYS = frozenset(
-    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+     "disable_by_batch_size"}
 )
 _NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
 
@@ -49,6 +57,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     #: draft_model / eagle3 only: the path or name of the draft weights.
     model: str | None = None
+    #: A step speculates only while at most this many requests run (0: never turned down).
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -92,8 +102,16 @@ class SpeculativeConfig:
         assert k is not None  # required=True raised otherwise
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             _fail(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        if method == "ngram":
-            return cls._ngram(obj, k)
+        limit = _int(obj, "disable_by_batch_size", required=False)
+        if limit is not None and limit < 0:
+            _fail(f"disable_by_batch_size must be >= 0 (0: never), got {limit}")
+        config = cls._ngram(obj, k) if method == "ngram" else cls._draft(obj, method, k)
+        if limit is None:
+            return config
+        return dataclasses.replace(config, disable_by_batch_size=limit)
+
+    @classmethod
+    def _draft(cls, obj: Mapping[str, Any], method: str, k: int) -> SpeculativeConfig:
         given = [key for key in _NGRAM_ONLY if key in obj]
         if given:
             _fail(f"{given} apply to method 'ngram' only, not {method!r}")
@@ -129,6 +147,7 @@ class SpeculativeConfig:
         out: dict[str, Any] = {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "disable_by_batch_size": self.disable_by_batch_size,
         }
         if self.method == "ngram":
             out["prompt_lookup_min"] = self.prompt_lookup_min

@@ -1,0 +1,34 @@
+"""Builds a reference engine's speculative decoding from --speculative-config."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.proposer import NgramProposer, Proposer
+from tandem.engines.speculative.speculation import Speculation
+from tandem.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the engine imports this module
+    from tandem.engines.reference.engine import ReferenceEngine
+
+log = logging.getLogger(__name__)
+
+
+def create_speculation(args: EngineArgs, engine: ReferenceEngine) -> Speculation:
+    """The engine's Speculation, its proposer loaded.
+
+    Raises:
+        InvalidRequest (param "speculative_config"): the config is refused, or names a method
+            this engine does not build (eagle3).
+    """
+    config = SpeculativeConfig.parse(args.speculative_config)
+    proposer: Proposer
+    if config.method == "ngram":
+        proposer = NgramProposer(config)
+    else:
+        raise InvalidRequest(f"speculative method {config.method!r} is not built in the "
+                             "reference engine (ngram is)", param="speculative_config")
+    log.info("speculative decoding on", extra={"speculative_config": config.to_dict()})
+    return Speculation(config, proposer)

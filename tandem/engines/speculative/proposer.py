@@ -1,0 +1,49 @@
+"""Proposers: what guesses a request's next tokens for the target to verify.
+
+A proposer sees only tokens known for good (`BatchRequest.num_final`: no placeholder, no
+earlier proposals) and keeps what it needs per request in `BatchRequest.draft_state`. Its
+proposals are hints: the target's verify pass decides what is emitted, so a proposer can never
+change the output, only how many steps it takes.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from tandem.engines.batching.request import BatchRequest
+from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.ngram import NgramParams, NgramState
+
+
+class Proposer(ABC):
+    """Guesses up to k next tokens for each of a batch of requests."""
+
+    #: Whether `propose` computes (a model): the engine then runs it off the event loop.
+    computes = False
+
+    @abstractmethod
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
+        """Up to ks[i] tokens for reqs[i] (fewer, or none, where it has no good guess)."""
+
+    def close(self) -> None:
+        """Releases what the proposer holds (a draft model's memory)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (tandem.engines.speculative.ngram): the tokens that followed the latest
+    earlier occurrence of the context's suffix."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.params = NgramParams(config.prompt_lookup_min, config.prompt_lookup_max,
+                                  config.num_speculative_tokens)
+
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks, strict=True):
+            state = req.draft_state
+            if not isinstance(state, NgramState):
+                state = req.draft_state = NgramState(self.params)
+            state.extend(req.token_ids[state.num_tokens:req.num_final])
+            out.append(state.propose(k))
+        return out

@@ -1,0 +1,96 @@
+"""The engine's side of speculative decoding: which requests a step speculates for, how many
+tokens each may be proposed, and what verification accepted.
+
+One step, for a request that speculates (chain verification, no tree):
+
+1. before scheduling, the proposer appends up to k proposals d_1..d_k to its tokens
+   (`BatchRequest.add_drafts`); the scheduler then computes them with the last real token, k + 1
+   positions, and never hashes a block holding a proposal;
+2. the sampler draws one token per position, row i as a plain step would draw the token after
+   the request's output plus d_1..d_i (same penalties, same seeded noise: draws are a function
+   of the output position, see tandem.engines.reference.sampler);
+3. `accepted` counts the leading rows whose draw equals the proposal; the request emits those
+   draws and the next one (the correction, or the bonus token when all k were accepted).
+
+So the emitted tokens are exactly those plain decoding draws, greedy or sampled, seeded or not
+in distribution: a draw that matches a deterministic proposal is what the target would have
+drawn there, and the first mismatch is the target's own draw at that position (for a one-hot
+proposal this is Leviathan et al.'s rejection sampling: accept with p(d), else draw from p with
+d removed). The KV of rejected positions is rolled back by forgetting it: `num_computed` falls
+back to the accepted tokens and the blocks taken only for rejected proposals are returned
+(`BlockPool.truncate`).
+
+Turned down by batch size: a step speculates only while at most `disable_by_batch_size`
+requests run, since a verify pass's extra positions cost little while a step is bound by
+reading the weights, and more than they save once the batch makes it compute-bound.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.engines.batching.request import BatchRequest
+from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.proposer import Proposer
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """What speculation did on one engine, since it started (Prometheus counters)."""
+
+    #: Verify passes of one request with at least one proposal.
+    verify_passes: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    #: accepted_by_position[i]: verify passes whose proposal i + 1 was accepted.
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.verify_passes += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        by_position = self.accepted_by_position
+        if len(by_position) < proposed:
+            by_position.extend([0] * (proposed - len(by_position)))
+        for i in range(accepted):
+            by_position[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify pass (accepted proposals + the target's own token)."""
+        return 1 + self.accepted_tokens / self.verify_passes if self.verify_passes else 0.0
+
+
+class Speculation:
+    """One engine's speculative decoding: its settings, proposer and counters."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.counters = SpecCounters()
+
+    def is_active(self, num_running: int) -> bool:
+        """Whether a step with `num_running` requests speculates (the batch-size policy)."""
+        limit = self.config.disable_by_batch_size
+        return limit == 0 or num_running <= limit
+
+    def budget(self, req: BatchRequest) -> int:
+        """How many tokens may be proposed for `req` now (0: none). Only a decoding request
+        whose tokens are all known (none on the device, none proposed), that asked for no
+        grammar (its mask at each proposed position would need the grammar moved over the
+        proposals) and is no prefill worker's; never more than its output has room for, so
+        that no position past max_tokens is computed."""
+        if (not req.sampling.speculative or req.guide is not None or req.lease_ms is not None
+                or req.is_finished or req.num_pending or req.num_draft or req.num_output == 0
+                or req.num_computed != len(req.token_ids) - 1):
+            return 0
+        room = req.sampling.max_tokens - req.num_output - 1
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    @staticmethod
+    def accepted(drafts: Sequence[int], draws: Sequence[int]) -> int:
+        """Leading proposals equal to the target's draws at their positions."""
+        n = 0
+        while n < len(drafts) and drafts[n] == draws[n]:
+            n += 1
+        return n

@@ -1,0 +1,193 @@
+"""Speculative decoding in the reference engine: the same tokens (and logprobs) as without it,
+greedy and seeded, with penalties, stops, preemption and prefix hits; proposals really accepted;
+after every step no proposal is left in a request, no block is held past a request's tokens and
+every committed block hash is one of accepted tokens only."""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+from collections.abc import Callable
+
+import pytest
+
+from tandem.engines.args import EngineArgs
+from tandem.engines.reference.engine import ReferenceEngine, create_reference_engine
+from tandem.engines.types import EngineRequest, SamplingParams, TokenChunk
+from tandem.errors import InvalidRequest
+from tandem.kv.hashing import hash_block
+from tandem.model.tiny import write_tiny_model
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, ' \
+        '"prompt_lookup_max": 3, "disable_by_batch_size": 0}'
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5)
+
+
+def engine_for(model: pathlib.Path, spec: str = "", **overrides: object) -> ReferenceEngine:
+    args = EngineArgs(model=str(model), device="cpu", kv_block_size=BS,
+                      num_gpu_blocks=overrides.pop("num_gpu_blocks", 512),
+                      speculative_config=spec, **overrides)  # type: ignore[arg-type]
+    return create_reference_engine(args)  # type: ignore[return-value]
+
+
+def copy_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, so that prompt lookup has something to propose."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(5, vocab) for _ in range(rng.randrange(3, 9))]
+        out.append(phrase * rng.randrange(2, 5) + phrase[: rng.randrange(1, len(phrase))])
+    return out
+
+
+def check_after_each_step(engine: ReferenceEngine) -> list[int]:
+    """Wraps the engine's step with the rollback invariants; returns the list the number of
+    checked steps is appended to."""
+    step = engine._step
+    checked: list[int] = []
+
+    async def checked_step() -> object:
+        plan = await step()
+        pool = engine.pool
+        live = [r for r in engine._requests.values() if not r.is_finished]
+        pool.check_invariants([r.table for r in live])
+        for req in live:
+            assert req.num_draft == 0, "a proposal outlived its verify pass"
+            assert len(req.table) <= pool.blocks_for(len(req.token_ids)), \
+                "blocks held past the request's tokens"
+            prev = None
+            for i in range(req.table.num_committed):
+                prev = hash_block(prev, req.token_ids[i * BS:(i + 1) * BS],
+                                  req.mm_per_block[i] if req.mm_per_block else ())
+                assert req.hashes[i] == prev, f"block {i} committed with another hash"
+        checked.append(1)
+        return plan
+
+    engine._step = checked_step  # type: ignore[method-assign]
+    return checked
+
+
+async def generate(engine: ReferenceEngine, batch: list[list[int]],
+                   sampling: SamplingParams | Callable[[int], SamplingParams]
+                   ) -> list[list[TokenChunk]]:
+    await engine.start()
+    try:
+        streams = [engine.add_request(EngineRequest(
+            f"r{i}", tuple(p), sampling(i) if callable(sampling) else sampling))
+            for i, p in enumerate(batch)]
+
+        async def collect(stream: object) -> list[TokenChunk]:
+            return [chunk async for chunk in stream]  # type: ignore[attr-defined]
+
+        return await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.close()
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def logprobs(chunks: list[TokenChunk]) -> list[float]:
+    return [lp.logprob for c in chunks for lp in (c.logprobs or ())]
+
+
+def compare(model: pathlib.Path, batch: list[list[int]],
+            sampling: SamplingParams | Callable[[int], SamplingParams], **overrides: object
+            ) -> tuple[list[list[TokenChunk]], list[list[TokenChunk]], ReferenceEngine]:
+    plain = asyncio.run(generate(engine_for(model, **dict(overrides)), batch, sampling))
+    spec_engine = engine_for(model, NGRAM, **overrides)
+    checked = check_after_each_step(spec_engine)
+    spec = asyncio.run(generate(spec_engine, batch, sampling))
+    assert checked, "no step was checked"
+    assert [tokens(c) for c in spec] == [tokens(c) for c in plain]
+    assert [c[-1].finish_reason for c in spec] == [c[-1].finish_reason for c in plain]
+    return plain, spec, spec_engine
+
+
+def test_greedy_equal_and_proposals_accepted(tiny: pathlib.Path) -> None:
+    batch = copy_prompts(256, 6)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    plain, spec, engine = compare(tiny, batch, greedy)
+    for p, s in zip(plain, spec, strict=True):
+        assert logprobs(s) == pytest.approx(logprobs(p), abs=1e-4)
+    stats = engine.stats()
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert stats.spec_accepted_by_position[0] >= stats.spec_accepted_by_position[-1]
+    usage = [c[-1].usage for c in spec]
+    assert sum(u.accepted_prediction_tokens for u in usage) == stats.spec_accepted_tokens
+    assert sum(u.accepted_prediction_tokens + u.rejected_prediction_tokens
+               for u in usage) == stats.spec_proposed_tokens
+    # Fewer steps than tokens: verify passes emitted several tokens each.
+    assert engine.num_steps < sum(len(tokens(c)) for c in spec)
+
+
+def test_seeded_sampling_with_penalties_equal(tiny: pathlib.Path) -> None:
+    batch = copy_prompts(256, 5, seed=1)
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=30, temperature=0.7, top_k=8 if i % 2 else 0,
+                              top_p=0.9, seed=100 + i, repetition_penalty=1.0 + 0.1 * (i % 3),
+                              ignore_eos=True)
+
+    compare(tiny, batch, sampling)
+
+
+def test_stops_min_tokens_and_short_outputs_equal(tiny: pathlib.Path) -> None:
+    batch = copy_prompts(256, 8, seed=2)
+
+    def sampling(i: int) -> SamplingParams:
+        # Stop ids drawn from the prompt (so proposals carry them), some short max_tokens.
+        return SamplingParams(max_tokens=1 + 3 * i, temperature=0.0,
+                              stop_token_ids=(batch[i][1], batch[i][2]), min_tokens=i % 3)
+
+    compare(tiny, batch, sampling)
+
+
+def test_preemption_and_prefix_hits_equal(tiny: pathlib.Path) -> None:
+    shared = copy_prompts(256, 1, seed=3)[0]
+    batch = [shared + p for p in copy_prompts(256, 10, seed=4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    _, _, engine = compare(tiny, batch, greedy, num_gpu_blocks=40)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.prefix_hit_rate > 0
+
+
+def test_opt_out_and_batch_size_policy(tiny: pathlib.Path) -> None:
+    batch = copy_prompts(256, 4, seed=5)
+    off = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=False)
+    _, _, engine = compare(tiny, batch, off)
+    assert engine.stats().spec_proposed_tokens == 0
+    # Four requests running, a limit of 2: no step speculates until two have finished.
+    limited = NGRAM.replace('"disable_by_batch_size": 0', '"disable_by_batch_size": 2')
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine = engine_for(tiny, limited)
+    asyncio.run(generate(engine, batch, greedy))
+    assert engine.stats().spec_proposed_tokens == 0
+    engine = engine_for(tiny, limited)
+    asyncio.run(generate(engine, batch[:2], greedy))
+    assert engine.stats().spec_proposed_tokens > 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}', "not built"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
+     "disable_by_batch_size"),
+    ("[1]", "JSON object"),
+])
+def test_bad_configs_refused(tiny: pathlib.Path, config: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as info:
+        engine_for(tiny, config)
+    assert info.value.param == "speculative_config"
+
+
+def test_mock_engine_refuses_speculation(tiny: pathlib.Path) -> None:
+    from tandem.engines.mock.engine import create_mock_engine
+    with pytest.raises(InvalidRequest, match="does not speculate"):
+        create_mock_engine(EngineArgs(model=str(tiny), speculative_config=NGRAM))
