@@ -67,6 +67,12 @@ _COUNTERS = (
      "kv_onboard_bytes"),
     ("tandem_kv_onboard_seconds", "Time spent copying KV back from the host tier",
      "kv_onboard_seconds"),
+    ("tandem_spec_verify_passes", "Speculative decoding: verify passes of one request with "
+     "proposals (mean accepted length: 1 + _accepted_tokens / _verify_passes)",
+     "spec_verify_passes"),
+    ("tandem_spec_proposed_tokens", "Speculative decoding: tokens proposed", "spec_proposed_tokens"),
+    ("tandem_spec_accepted_tokens", "Speculative decoding: proposed tokens the target accepted "
+     "(acceptance rate: / _proposed_tokens)", "spec_accepted_tokens"),
 )
 #: (name without _total, help, ServedStats field) of the counters of what the worker served.
 _SERVED_COUNTERS = (
@@ -104,6 +110,13 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=["worker"])
             counter.add_metric([self.worker_id], getattr(stats, field))
             yield counter
+        by_position = CounterMetricFamily(
+            "tandem_spec_accepted_by_position", "Speculative decoding: verify passes whose "
+            "proposal at this position (1: the first) was accepted (acceptance per position: / "
+            "tandem_spec_verify_passes_total)", labels=["worker", "position"])
+        for i, count in enumerate(stats.spec_accepted_by_position):
+            by_position.add_metric([self.worker_id, str(i + 1)], count)
+        yield by_position
 
 
 class ServedCollector(Collector):

@@ -5,6 +5,7 @@ every committed block hash is one of accepted tokens only."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import random
 from collections.abc import Callable
@@ -97,11 +98,17 @@ def logprobs(chunks: list[TokenChunk]) -> list[float]:
     return [lp.logprob for c in chunks for lp in (c.logprobs or ())]
 
 
+def draft_config(draft: pathlib.Path, k: int = 3) -> str:
+    return json.dumps({"method": "draft_model", "num_speculative_tokens": k,
+                       "model": str(draft), "disable_by_batch_size": 0})
+
+
 def compare(model: pathlib.Path, batch: list[list[int]],
-            sampling: SamplingParams | Callable[[int], SamplingParams], **overrides: object
+            sampling: SamplingParams | Callable[[int], SamplingParams], spec: str = NGRAM,
+            **overrides: object
             ) -> tuple[list[list[TokenChunk]], list[list[TokenChunk]], ReferenceEngine]:
     plain = asyncio.run(generate(engine_for(model, **dict(overrides)), batch, sampling))
-    spec_engine = engine_for(model, NGRAM, **overrides)
+    spec_engine = engine_for(model, spec, **overrides)
     checked = check_after_each_step(spec_engine)
     spec = asyncio.run(generate(spec_engine, batch, sampling))
     assert checked, "no step was checked"
@@ -191,3 +198,29 @@ def test_mock_engine_refuses_speculation(tiny: pathlib.Path) -> None:
     from tandem.engines.mock.engine import create_mock_engine
     with pytest.raises(InvalidRequest, match="does not speculate"):
         create_mock_engine(EngineArgs(model=str(tiny), speculative_config=NGRAM))
+
+
+def test_draft_model_equal_and_its_own_draft_accepts_all(tiny: pathlib.Path,
+                                                         tmp_path: pathlib.Path) -> None:
+    batch = copy_prompts(256, 5, seed=6)
+    greedy = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)
+    # The target as its own draft: every greedy guess is the target's own token.
+    _, spec, engine = compare(tiny, batch, greedy, draft_config(tiny))
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens >= 0.9 * stats.spec_proposed_tokens > 0
+    # Another model of the same vocabulary: guesses mostly wrong, output the same; with
+    # preemption (the draft's KV is rebuilt when its blocks are replaced) and sampling.
+    other = write_tiny_model(tmp_path / "draft", "llama", seed=9)
+    compare(tiny, batch, greedy, draft_config(other, k=4), num_gpu_blocks=40)
+    seeded = SamplingParams(max_tokens=25, temperature=0.9, seed=7, ignore_eos=True)
+    compare(tiny, batch, seeded, draft_config(tiny))
+
+
+def test_draft_model_of_another_vocabulary_refused(tiny: pathlib.Path,
+                                                    tmp_path: pathlib.Path) -> None:
+    other = write_tiny_model(tmp_path / "qwen", "qwen3", seed=1)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 64
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidRequest, match="vocabulary|cannot be loaded"):
+        engine_for(tiny, draft_config(other))

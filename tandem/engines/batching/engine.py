@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -545,15 +546,21 @@ class BatchingEngine(Engine):
         scheduled (which computes them with each request's last token)."""
         spec = self.speculation
         assert spec is not None
+        proposer = spec.proposer
         reqs, ks = [], []
         for req in self.scheduler.running:
             k = spec.budget(req)
+            if k and proposer.writes_kv:
+                # Its guesses 1..k-1 are fed back at the positions after the last token.
+                needed = len(req.token_ids) + k - 1
+                if not self.pool.can_append(req.table, needed):
+                    continue  # the blocks are better left to the step itself
+                self.pool.append(req.table, needed)
             if k:
                 reqs.append(req)
                 ks.append(k)
         if not reqs:
             return
-        proposer = spec.proposer
         drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
                   else proposer.propose(reqs, ks))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
@@ -643,7 +650,7 @@ class BatchingEngine(Engine):
         pending += sum(len(r.token_ids) - r.num_computed for r in sched.running
                        if r.is_prefilling and not r.is_finished)
         loads = self.loads
-        return EngineStats(
+        stats = EngineStats(
             num_running=sum(1 for r in sched.running if not r.is_finished),
             num_waiting=len(sched.waiting) + len(loads),
             kv_blocks_used=self.pool.num_used,
@@ -659,17 +666,15 @@ class BatchingEngine(Engine):
             kv_transfers_failed=loads.num_failed,
             **self.host_copies.stats_fields(),  # type: ignore[arg-type]
             # Not self.transfer: stats must not create the transfer (and its NIXL agent).
-            **(self._transfer.buffer_stats() if self._transfer is not None else {}),
-            **self._spec_stats(),  # type: ignore[arg-type]
+            **(self._transfer.buffer_stats() if self._transfer is not None else {}),  # type: ignore[arg-type]
         )
-
-    def _spec_stats(self) -> dict[str, object]:
         if self.speculation is None:
-            return {}
+            return stats
         c = self.speculation.counters
-        return {"spec_verify_passes": c.verify_passes, "spec_proposed_tokens": c.proposed_tokens,
-                "spec_accepted_tokens": c.accepted_tokens,
-                "spec_accepted_by_position": tuple(c.accepted_by_position)}
+        return dataclasses.replace(
+            stats, spec_verify_passes=c.verify_passes, spec_proposed_tokens=c.proposed_tokens,
+            spec_accepted_tokens=c.accepted_tokens,
+            spec_accepted_by_position=tuple(c.accepted_by_position))
 
 
 def _grammar_takes(guide: Guide, token: int, sampled: bool, taken: bool) -> bool:

@@ -445,7 +445,7 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
         "tensor_parallel_size": tp.size})
     engine = ReferenceEngine(args, config, model, kv_cache, device, encoder, followers)
     if args.speculative_config:
-        engine.speculation = create_speculation(args, engine)
+        engine.speculation = create_speculation(args, engine, dtype)
     if followers is not None:
         host = engine.pool.host
         followers.allocate(num_blocks, host.total if host is not None else 0)

@@ -47,6 +47,7 @@ class _Sequence:
     scratch: int
     sampling: SamplingParams = _GREEDY
     num_output: int = 0
+    num_draft: int = 0
     embeddings: tuple[()] = ()
     token_ids: list[int] = field(init=False)
     num_computed: int = field(init=False)

@@ -4,8 +4,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from tandem.engines.args import EngineArgs
 from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.draft_model import DraftModelProposer
 from tandem.engines.speculative.proposer import NgramProposer, Proposer
 from tandem.engines.speculative.speculation import Speculation
 from tandem.errors import InvalidRequest
@@ -16,7 +19,8 @@ if TYPE_CHECKING:  # the engine imports this module
 log = logging.getLogger(__name__)
 
 
-def create_speculation(args: EngineArgs, engine: ReferenceEngine) -> Speculation:
+def create_speculation(args: EngineArgs, engine: ReferenceEngine,
+                       dtype: torch.dtype) -> Speculation:
     """The engine's Speculation, its proposer loaded.
 
     Raises:
@@ -27,6 +31,10 @@ def create_speculation(args: EngineArgs, engine: ReferenceEngine) -> Speculation
     proposer: Proposer
     if config.method == "ngram":
         proposer = NgramProposer(config)
+    elif config.method == "draft_model":
+        proposer = DraftModelProposer.load(
+            config, engine.vocab_size, engine.kv_cache.shape[2], args.kv_block_size, dtype,
+            engine.device, args.load_format, args.seed)
     else:
         raise InvalidRequest(f"speculative method {config.method!r} is not built in the "
                              "reference engine (ngram is)", param="speculative_config")

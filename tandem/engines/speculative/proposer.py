@@ -20,12 +20,15 @@ class Proposer(ABC):
 
     #: Whether `propose` computes (a model): the engine then runs it off the event loop.
     computes = False
+    #: Whether it writes KV of its own at the positions it proposes for: the engine then
+    #: gives each request the blocks for those positions first.
+    writes_kv = False
 
     @abstractmethod
     def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
         """Up to ks[i] tokens for reqs[i] (fewer, or none, where it has no good guess)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (most proposers hold nothing)
         """Releases what the proposer holds (a draft model's memory)."""
 
 
