@@ -99,16 +99,23 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device,
         positions.extend(range(start, end))
         slots.extend(blocks[p // block_size] * block_size + p % block_size
                      for p in range(start, end))
-        query_start.append(len(token_ids))
-        context_lens.append(end)
-        tables.append(list(blocks[:(end + block_size - 1) // block_size]))
+        # A verify pass's positions attend as one-token sequences each: position p over the
+        # first p + 1 tokens (a step writes every new token's KV before attending, so the
+        # proposals before p are there). A step of decodes and verify passes is then a decode
+        # step, and takes the decode CUDA graphs.
+        ends = range(start + 1, end + 1) if req.num_draft and n == req.num_draft + 1 else (end,)
+        for seq_end in ends:
+            query_start.append(len(token_ids) - end + seq_end)
+            context_lens.append(seq_end)
+            tables.append(list(blocks[:(seq_end + block_size - 1) // block_size]))
         last_row[id(req)] = len(token_ids) - 1
     width = max((len(t) for t in tables), default=1)
     rows = [row for req in plan.ready
             for row in range(last_row[id(req)] - req.num_draft, last_row[id(req)] + 1)]
-    is_decode_only = all(n == 1 for _, n in plan.scheduled)
+    sizes = [b - a for a, b in zip(query_start, query_start[1:])]
+    is_decode_only = all(size == 1 for size in sizes)
     # A mixed step's one-token sequences (decodes beside prompt chunks): attended in one batch.
-    singles = [] if is_decode_only else [s for s, (_, n) in enumerate(plan.scheduled) if n == 1]
+    singles = [] if is_decode_only else [s for s, size in enumerate(sizes) if size == 1]
     if len(singles) < 2:
         singles = []
     # One host-to-device copy for every index tensor of the step (each copy costs the host

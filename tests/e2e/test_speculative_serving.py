@@ -1,0 +1,81 @@
+"""Speculative decoding served by `tandem up` on the reference engine, aggregated and
+disaggregated (real NIXL): greedy tokens equal transformers' on prompts whose continuation
+prompt lookup can guess, proposals were accepted (OpenAI's usage.completion_tokens_details), and
+a request that opts out is not speculated."""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.e2e.test_reference_engine import Reference
+from tests.e2e.topology import Topology, start_topology
+
+MAX_TOKENS = 24
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3, "disable_by_batch_size": 0})
+ENGINE_FLAGS = ("--engine", "reference", "--device", "cpu", "--kv-block-size", "16",
+                "--num-gpu-blocks-override", "256", "--speculative-config", SPEC)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from tandem.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: pathlib.Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
+def topo(request: pytest.FixtureRequest, model_dir: pathlib.Path) -> Iterator[Topology]:
+    topo = start_topology(*ENGINE_FLAGS, "--model", str(model_dir),
+                          num_prefill=1 if request.param == "disaggregated" else 0)
+    yield topo
+    assert topo.stop() == 0
+
+
+def copy_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat a phrase: prompt lookup proposes its continuation."""
+    rng = random.Random(11)
+    out = []
+    for n in (3, 4, 6, 8, 5, 7):
+        phrase = [rng.randrange(4, vocab) for _ in range(n)]
+        out.append(phrase * 4 + phrase[:2])
+    return out
+
+
+def test_greedy_equals_transformers_and_proposals_are_accepted(
+        topo: Topology, reference: Reference) -> None:
+    client = openai.OpenAI(base_url=topo.http_url + "/v1", api_key="unused", max_retries=0)
+    batch = copy_prompts(reference.tokenizer.vocab_size)
+
+    def complete(ids: list[int], speculative: bool = True) -> openai.types.Completion:
+        return client.completions.create(
+            model=topo.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "speculative_decoding": speculative})
+
+    with ThreadPoolExecutor(len(batch)) as pool:
+        got = list(pool.map(complete, batch))
+    accepted = 0
+    for ids, completion in zip(batch, got, strict=True):
+        want, _ = reference.greedy(ids, MAX_TOKENS)
+        assert completion.choices[0].text == reference.text(want)
+        details = completion.usage.completion_tokens_details
+        assert details is not None and completion.usage.completion_tokens == MAX_TOKENS
+        accepted += details.accepted_prediction_tokens
+    assert accepted > 0, "no proposal was accepted"
+    # Opted out: the same text, nothing proposed.
+    off = complete(batch[0], speculative=False)
+    assert off.choices[0].text == got[0].choices[0].text
+    details = off.usage.completion_tokens_details
+    assert details is not None
+    assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
