@@ -1,0 +1,194 @@
+"""Speculative decoding on a GPU (a script, not a test): prints the table of issue 44's goals.
+
+One engine, a dummy-weight Llama-3.1-8B shape in bf16 with CUDA graphs; its speculation is
+switched between runs (the engine reads `engine.speculation` each step):
+
+1. one stream, plain decoding: output tokens/s and the step time;
+2. one stream, an oracle proposer that proposes the target's own greedy continuation (recorded
+   by run 1), k = 1..6: tokens/s, mean accepted length, the verify pass's time against a plain
+   step (dummy weights cannot be predicted by a real proposer: this is the ceiling at
+   acceptance 1.0 and the cost per position);
+3. one stream, n-gram (prompt lookup) on a copy-heavy prompt: the plain continuation of a seed
+   prompt is put into the prompt (seed + continuation + seed), so the answer can copy it;
+4. batch sweep with the oracle (k = 4) against plain: where speculation stops paying (the
+   default `disable_by_batch_size`);
+5. 64 streams with the default policy (n-gram) against speculation off.
+
+    PYTHONPATH=. python3 benchmarks/spec_gpu.py            # on a CUDA machine
+    PYTHONPATH=. python3 benchmarks/spec_gpu.py --small    # CPU smoke run of the script
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+from benchmarks.reference_gpu import LLAMA_8B, SMALL, prompts_of, write_config
+from tandem.engines.args import EngineArgs
+from tandem.engines.batching.request import BatchRequest
+from tandem.engines.reference.engine import ReferenceEngine, create_reference_engine
+from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.proposer import NgramProposer, Proposer
+from tandem.engines.speculative.speculation import Speculation
+from tandem.engines.types import EngineRequest, SamplingParams
+
+
+class OracleProposer(Proposer):
+    """Proposes the continuation a plain greedy run produced for the same prompt."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks, strict=True):
+            known = self.continuations.get(tuple(req.token_ids[:req.num_prompt]), [])
+            done = req.num_final - req.num_prompt
+            out.append(known[done:done + k])
+        return out
+
+
+def speculation(method: str, k: int, proposer: Proposer | None = None,
+                limit: int = 0) -> Speculation:
+    obj: dict[str, object] = {"method": "ngram", "num_speculative_tokens": k,
+                              "disable_by_batch_size": limit}
+    if method == "ngram":
+        obj.update(prompt_lookup_min=1, prompt_lookup_max=4)
+    config = SpeculativeConfig.from_dict(obj)
+    return Speculation(config, proposer or NgramProposer(config))
+
+
+async def run(engine: ReferenceEngine, prompts: list[list[int]], max_tokens: int
+              ) -> tuple[list[list[int]], float, int]:
+    """(outputs, seconds from the first token to the last, engine steps in that span)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    streams = [engine.add_request(EngineRequest(f"s{i}-{time.monotonic_ns()}", tuple(p),
+                                                params)) for i, p in enumerate(prompts)]
+    first: list[float] = []
+    steps0 = [0]
+
+    async def collect(stream) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in stream:
+            if not tokens and chunk.token_ids:
+                first.append(time.perf_counter())
+                if len(first) == len(prompts):
+                    steps0[0] = engine.num_steps
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+    outs = await asyncio.gather(*(collect(s) for s in streams))
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return list(outs), time.perf_counter() - max(first), engine.num_steps - steps0[0]
+
+
+def counters(engine: ReferenceEngine) -> tuple[int, int]:
+    spec = engine.speculation
+    return (spec.counters.verify_passes, spec.counters.accepted_tokens) if spec else (0, 0)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shape, few tokens")
+    parser.add_argument("--out", type=pathlib.Path, help="write the figures as JSON here")
+    opts = parser.parse_args()
+    shape = SMALL if opts.small else LLAMA_8B
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = 32 if opts.small else 256
+    ctx = 64 if opts.small else 1024
+    rows: list[tuple[str, ...]] = []
+    figures: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_config(pathlib.Path(tmp) / "llama8b", shape)
+        engine = create_reference_engine(EngineArgs(
+            model=str(model), device=device, load_format="dummy", kv_block_size=32,
+            max_batch_size=320, num_gpu_blocks=4096 if not opts.small else 512))
+        assert isinstance(engine, ReferenceEngine)
+        await engine.start()
+        vocab = shape["vocab_size"]
+        prompt = prompts_of(1, ctx, vocab, salt=1)
+        await run(engine, prompt, 8)  # warm
+        # 1. plain, one stream.
+        (plain,), secs, steps = await run(engine, prompt, tokens)
+        plain_tps = (tokens - 1) / secs
+        step_ms = 1000 * secs / steps
+        rows.append(("1 stream, plain", f"{plain_tps:,.0f}", "1.00", "-", f"{step_ms:.2f}", "-"))
+        figures["plain"] = {"tokens_per_s": plain_tps, "step_ms": step_ms}
+        # 2. oracle, one stream, k = 1..6.
+        oracle = OracleProposer({tuple(prompt[0]): plain})
+        for k in (1, 2, 4, 6):
+            engine.speculation = speculation("oracle", k, oracle)
+            (out,), secs, steps = await run(engine, prompt, tokens)
+            passes, accepted = counters(engine)
+            tps = (tokens - 1) / secs
+            verify_ms = 1000 * secs / steps
+            same = sum(a == b for a, b in zip(out, plain)) / len(plain)
+            rows.append((f"1 stream, oracle k={k}", f"{tps:,.0f}", f"{tps / plain_tps:.2f}",
+                         f"{1 + accepted / max(passes, 1):.2f}", f"{verify_ms:.2f}",
+                         f"{verify_ms / step_ms:.2f}x step; {same:.0%} same tokens"))
+            figures[f"oracle_k{k}"] = {"tokens_per_s": tps, "speedup": tps / plain_tps,
+                                       "mean_accepted": 1 + accepted / max(passes, 1),
+                                       "verify_ms": verify_ms, "same_tokens": same}
+        # 3. n-gram on a copy-heavy prompt: the answer can copy the continuation it holds.
+        engine.speculation = None
+        seed = prompts_of(1, ctx // 2, vocab, salt=2)[0]
+        (cont,), _, _ = await run(engine, [seed], tokens)
+        copy_prompt = [seed + cont + seed]
+        (base,), secs, _ = await run(engine, copy_prompt, tokens)
+        base_tps = (tokens - 1) / secs
+        engine.speculation = speculation("ngram", 4)
+        (out,), secs, steps = await run(engine, copy_prompt, tokens)
+        passes, accepted = counters(engine)
+        tps = (tokens - 1) / secs
+        rows.append(("1 stream, copy prompt, plain", f"{base_tps:,.0f}", "1.00", "-", "-", "-"))
+        rows.append(("1 stream, copy prompt, n-gram k=4", f"{tps:,.0f}",
+                     f"{tps / base_tps:.2f}", f"{1 + accepted / max(passes, 1):.2f}",
+                     f"{1000 * secs / steps:.2f}",
+                     f"{sum(a == b for a, b in zip(out, base)) / len(base):.0%} same tokens"))
+        figures["ngram_copy"] = {"tokens_per_s": tps, "plain_tokens_per_s": base_tps,
+                                 "speedup": tps / base_tps,
+                                 "mean_accepted": 1 + accepted / max(passes, 1)}
+        # 4. batch sweep, oracle k = 4 against plain.
+        for batch in ((1, 2, 4) if opts.small else (2, 4, 8, 16, 32, 64)):
+            prompts = prompts_of(batch, ctx, vocab, salt=3 + batch)
+            engine.speculation = None
+            outs, secs, _ = await run(engine, prompts, tokens)
+            base_tps = batch * (tokens - 1) / secs
+            engine.speculation = speculation(
+                "oracle", 4, OracleProposer({tuple(p): o for p, o in zip(prompts, outs)}))
+            _, secs, _ = await run(engine, prompts, tokens)
+            tps = batch * (tokens - 1) / secs
+            rows.append((f"{batch} streams, oracle k=4 vs plain", f"{tps:,.0f}",
+                         f"{tps / base_tps:.2f}", "-", "-", f"plain {base_tps:,.0f}"))
+            figures[f"batch{batch}"] = {"plain": base_tps, "oracle_k4": tps}
+        # 5. 64 streams: the default policy (n-gram) against off.
+        batch = 4 if opts.small else 64
+        prompts = prompts_of(batch, ctx, vocab, salt=99)
+        results = {}
+        for name, spec in (("off", None), ("default", speculation("ngram", 4, limit=8)),
+                           ("off again", None)):
+            engine.speculation = spec
+            _, secs, _ = await run(engine, prompts, tokens)
+            results[name] = batch * (tokens - 1) / secs
+        off = (results["off"] + results["off again"]) / 2
+        rows.append((f"{batch} streams, default policy vs off", f"{results['default']:,.0f}",
+                     f"{results['default'] / off:.3f}", "-", "-",
+                     f"off {results['off']:,.0f} / {results['off again']:,.0f}"))
+        figures["policy64"] = results
+        await engine.close()
+    header = ("run", "tokens/s", "vs plain", "mean accepted", "ms/step", "note")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if opts.out:
+        opts.out.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
