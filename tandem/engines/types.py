@@ -67,6 +67,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: None: unconstrained; else the constraint the output must follow.
     guided: GuidedDecoding | None = None
+    #: False: this request is never speculated (the engine decodes it one token per step even
+    #: with a proposer configured). True: the engine may speculate for it.
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -97,6 +100,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    #: Speculative decoding: drafted tokens the target model accepted / rejected for this request
+    #: (both 0 when it was not speculated).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
