@@ -26,6 +26,8 @@ def openai_body(request: pb.InferenceRequest) -> tuple[dict[str, Any], Kind]:
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
     body["min_tokens"], body["ignore_eos"] = s.min_tokens, s.ignore_eos
+    if s.disable_speculation:
+        body["speculative_decoding"] = False
     if s.HasField("guided_decoding"):
         body.update(_guided_body(s.guided_decoding))
     if s.HasField("top_logprobs"):

@@ -67,7 +67,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: None: unconstrained; else the constraint the output must follow.
     guided: GuidedDecoding | None = None
-    #: False: this request is never speculated (where the worker runs speculative decoding).
+    #: False: this request is never speculated (the engine decodes it one token per step even
+    #: with a proposer configured). True: the engine may speculate for it.
     speculative: bool = True
 
     @property
@@ -99,7 +100,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    #: Speculative decoding: proposed tokens the target accepted, and those it rejected.
+    #: Speculative decoding: drafted tokens the target model accepted / rejected for this request
+    #: (both 0 when it was not speculated).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 

@@ -105,9 +105,12 @@ def _workers_of(delta: Delta) -> tuple[str, ...]:
 
 def total_usage(per_choice: dict[int, Usage]) -> Usage | None:
     """The usage of a request with several choices: the prompt counted once (as choice 0 saw
-    it, cache hits included), the completion tokens of every choice."""
+    it, cache hits included), the completion tokens (and speculative decoding's accepted and
+    rejected drafts) of every choice."""
     if not per_choice:
         return None
     first = per_choice[min(per_choice)]
-    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in per_choice.values()),
-                 first.cached_tokens)
+    usages = per_choice.values()
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages),
+                 first.cached_tokens, sum(u.accepted_prediction_tokens for u in usages),
+                 sum(u.rejected_prediction_tokens for u in usages))

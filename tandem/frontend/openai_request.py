@@ -9,8 +9,9 @@ its lists is ignored and logged.
 
 Precedence rules:
   - chat: `max_completion_tokens` wins over the deprecated `max_tokens`.
-  - top-level vLLM extras (top_k, min_tokens, ignore_eos, repetition_penalty) win over the same
-    fields in Dynamo's `nvext` (Dynamo treats the nvext copies as deprecated); both are validated.
+  - top-level vLLM extras (top_k, min_tokens, ignore_eos, repetition_penalty) and Tandem's
+    `speculative_decoding` win over the same fields in Dynamo's `nvext` (Dynamo treats the nvext
+    copies as deprecated); both are validated.
   - `nvext.greed_sampling: true` forces temperature 0 whatever `temperature` says.
   - SLA targets: `nvext.router.ttft_target` / `itl_target` win over the headers `x-slo-ttft-ms` /
     `x-slo-tpot-ms`. All in milliseconds.
@@ -181,6 +182,11 @@ def parse_request(
         tools=tools,
         template_kwargs=template_kwargs(body),
         reasoning_effort=reasoning_effort(body),
+        speculative=first(
+            get_bool(body, "speculative_decoding"),
+            get_bool(nvext, "speculative_decoding", "nvext.speculative_decoding"),
+            True,
+        ),
     )
 
 

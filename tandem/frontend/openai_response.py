@@ -54,12 +54,19 @@ def created_now() -> int:
 
 
 def usage_body(usage: Usage) -> JsonDict:
-    """OpenAI's usage object, with prompt_tokens_details.cached_tokens."""
+    """OpenAI's usage object, with prompt_tokens_details.cached_tokens and, always (as OpenAI
+    sends it), completion_tokens_details with speculative decoding's drafted tokens in Predicted
+    Outputs' names: accepted (in the output, counted in completion_tokens) and rejected
+    (discarded). reasoning_tokens is left out: reasoning is not counted apart."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        },
     }
 
 

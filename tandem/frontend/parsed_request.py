@@ -64,6 +64,9 @@ class ParsedRequest:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     #: chat only: reasoning_effort, for templates that read it (gpt-oss).
     reasoning_effort: str | None = None
+    #: speculative_decoding (or nvext.speculative_decoding): False keeps the engine from
+    #: speculating for this request.
+    speculative: bool = True
 
     @property
     def num_generated(self) -> int:
@@ -99,4 +102,5 @@ class ParsedRequest:
             # best_of ranks choices by their tokens' logprobs: asked for even when not shown.
             top_logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
             guided=self.guided,
+            speculative=self.speculative,
         )

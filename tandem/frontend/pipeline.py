@@ -169,12 +169,23 @@ class _Progress:
     token_ids: list[int] = field(default_factory=list)
     #: The client's prompt tokens served from a prefix cache (first worker, or prefill worker).
     cached_tokens: int = 0
+    #: Speculative decoding's drafted tokens accepted / rejected, summed over the workers that
+    #: reported them: a worker reports on its last chunk only, so a worker whose stream broke
+    #: (before a migration) or that a stop string cut short adds nothing.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     num_migrations: int = 0
     #: Whether the current worker has sent anything (before that, a failure is a refusal).
     worker_streamed: bool = False
 
+    def add_predictions(self, usage: Usage) -> None:
+        """Counts a worker's final usage's speculative tokens in."""
+        self.accepted_prediction_tokens += usage.accepted_prediction_tokens
+        self.rejected_prediction_tokens += usage.rejected_prediction_tokens
+
     def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, len(self.token_ids), self.cached_tokens)
+        return Usage(self.num_prompt_tokens, len(self.token_ids), self.cached_tokens,
+                     self.accepted_prediction_tokens, self.rejected_prediction_tokens)
 
 
 def _is_cancelling() -> bool:
@@ -411,8 +422,10 @@ class Pipeline:
                         yield Delta(text, chunk.token_ids, chunk.logprobs, worker=worker,
                                     received_ns=chunk.received_ns)
                     continue
-                if chunk.usage is not None and own_cache:
-                    progress.cached_tokens = chunk.usage.cached_tokens
+                if chunk.usage is not None:
+                    progress.add_predictions(chunk.usage)
+                    if own_cache:
+                        progress.cached_tokens = chunk.usage.cached_tokens
                 yield Delta(text + detok.finish(), chunk.token_ids, chunk.logprobs,
                             chunk.finish_reason, progress.usage(), worker, chunk.received_ns)
                 return

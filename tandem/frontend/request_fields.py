@@ -29,6 +29,8 @@ _COMMON = frozenset({
     "skip_special_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     # NVIDIA Dynamo's extensions, and the client's own deadline (seconds)
     "nvext", "timeout",
+    # Tandem's: false keeps the engine from speculating for this request
+    "speculative_decoding",
 })
 HONOURED: dict[Kind, frozenset[str]] = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",

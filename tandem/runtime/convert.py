@@ -46,6 +46,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> t.Sampl
         top_logprobs=msg.top_logprobs if has("top_logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
         guided=guided_from_pb(msg.guided_decoding) if has("guided_decoding") else None,
+        speculative=not msg.disable_speculation,
     )
 
 
@@ -96,7 +97,7 @@ def sampling_to_pb(params: t.SamplingParams) -> pb.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
         stop_token_ids=params.stop_token_ids, min_tokens=params.min_tokens,
-        ignore_eos=params.ignore_eos)
+        ignore_eos=params.ignore_eos, disable_speculation=not params.speculative)
     if params.seed is not None:
         msg.seed = params.seed
     if params.top_logprobs is not None:
@@ -129,11 +130,14 @@ def logprob_from_pb(msg: pb.TokenLogprob) -> t.TokenLogprob:
 
 def usage_to_pb(usage: t.Usage) -> pb.Usage:
     return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                    cached_tokens=usage.cached_tokens)
+                    cached_tokens=usage.cached_tokens,
+                    accepted_prediction_tokens=usage.accepted_prediction_tokens,
+                    rejected_prediction_tokens=usage.rejected_prediction_tokens)
 
 
 def usage_from_pb(msg: pb.Usage) -> t.Usage:
-    return t.Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
+    return t.Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens,
+                   msg.accepted_prediction_tokens, msg.rejected_prediction_tokens)
 
 
 def layout_from_pb(msg: pb.KvLayout) -> t.KvLayout:

@@ -31,12 +31,17 @@ def test_chat_non_streaming_usage_matches_tokens(client: openai.OpenAI, topology
     assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
     assert reply.usage.prompt_tokens > 0
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 17
+    # The mock engine does not speculate: the drafts' counts are there, and 0.
+    details = reply.usage.completion_tokens_details
+    assert details is not None
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
 
 
 def test_chat_streaming_with_usage(client: openai.OpenAI, topology: Topology) -> None:
     stream = client.chat.completions.create(
         model=topology.model, messages=[{"role": "user", "content": "Stream please."}],
-        max_tokens=40, stream=True, stream_options={"include_usage": True}, logprobs=True)
+        max_tokens=40, stream=True, stream_options={"include_usage": True}, logprobs=True,
+        extra_body={"speculative_decoding": False})
     chunks = list(stream)
     tokens = sum(len(c.choices[0].logprobs.content) for c in chunks
                  if c.choices and c.choices[0].logprobs)
@@ -47,8 +52,22 @@ def test_chat_streaming_with_usage(client: openai.OpenAI, topology: Topology) ->
     assert finish == ["length"]
     assert chunks[-1].choices == [] and usage is not None
     assert usage.completion_tokens == tokens == 40
+    assert usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.rejected_prediction_tokens == 0
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
+
+
+@pytest.mark.parametrize("where", ["top", "nvext"])
+def test_a_non_boolean_speculative_decoding_is_a_400(client: openai.OpenAI, topology: Topology,
+                                                      where: str) -> None:
+    body = {"speculative_decoding": "no"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=topology.model, prompt="hi", max_tokens=2,
+                                  extra_body=body if where == "top" else {"nvext": body})
+    param = "speculative_decoding" if where == "top" else "nvext.speculative_decoding"
+    assert info.value.status_code == 400
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == param
 
 
 def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI, topology: Topology) -> None:

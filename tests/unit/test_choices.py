@@ -141,6 +141,8 @@ async def test_non_streamed_body_lists_every_choice() -> None:
 def test_total_usage_counts_the_prompt_once() -> None:
     assert total_usage({}) is None
     assert total_usage({1: Usage(9, 2, 0), 0: Usage(9, 3, 8)}) == Usage(9, 5, 8)
+    # Speculative drafts are per choice, like completion tokens: every choice's count.
+    assert total_usage({0: Usage(9, 3, 8, 2, 1), 1: Usage(9, 4, 0, 3, 0)}) == Usage(9, 7, 8, 5, 1)
 
 
 def test_the_router_picks_preferred_workers_first() -> None:

@@ -83,10 +83,13 @@ class ScriptedWorkers:
     prompt), or sends everything but the finish ("no finish"); one in `hangs` sends that many and then waits until cancelled."""
 
     def __init__(self, script: list[int], breaks: dict[str, tuple[int, str]] | None = None,
-                 hangs: dict[str, int] | None = None) -> None:
+                 hangs: dict[str, int] | None = None,
+                 predictions: tuple[int, int] = (0, 0)) -> None:
         self.script = script
         self.breaks = breaks or {}
         self.hangs = hangs or {}
+        #: Speculative drafts accepted and rejected, reported in the last chunk's usage.
+        self.predictions = predictions
         self.requests: list[tuple[str, EngineRequest]] = []
         self.cancelled = asyncio.Event()
 
@@ -121,7 +124,8 @@ class ScriptedWorkers:
             last = start + 2 >= len(todo) and how != "no finish"
             yield TokenChunk(piece, [TokenLogprob(t, -0.5) for t in piece],
                              FinishReason.LENGTH if last else None,
-                             Usage(len(request.prompt_token_ids), len(todo), 3) if last else None,
+                             Usage(len(request.prompt_token_ids), len(todo), 3,
+                                   *self.predictions) if last else None,
                              cached_tokens=2 if start == 0 else None)
 
 
@@ -195,6 +199,17 @@ async def test_a_broken_stream_continues_on_another_worker(tokenizer: Tokenizer,
     assert last.finish_reason == FinishReason.LENGTH
     assert last.usage == Usage(len(PROMPT), 10, 2)
     assert router.completed == [("ok", 10)]
+
+
+async def test_speculative_counts_come_from_the_worker_that_finished(tokenizer: Tokenizer,
+                                                                    script: list[int]) -> None:
+    # The broken worker never sent its usage: only the finishing worker's drafts are counted.
+    workers = ScriptedWorkers(script, {"a": (4, "died")}, predictions=(5, 1))
+    deltas = await collect(make_pipeline(tokenizer, ScriptedRouter(), workers), request(10))
+    assert workers.calls == ["a", "b"]
+    assert deltas[-1].usage == Usage(len(PROMPT), 10, 2, accepted_prediction_tokens=5,
+                                     rejected_prediction_tokens=1)
+    assert all(d.usage is None for d in deltas[:-1])
 
 
 async def test_each_migration_starts_from_everything_so_far(tokenizer: Tokenizer,

@@ -113,6 +113,13 @@ BAD: list[tuple[str, Any, dict[str, str], str | None, str]] = [
      "stream_options.include_usage", "boolean"),
     ("chat", chat(ignore_eos="yes"), {}, "ignore_eos", "boolean"),
     ("chat", chat(min_tokens=-1), {}, "min_tokens", ">= 0"),
+    ("chat", chat(speculative_decoding="false"), {}, "speculative_decoding", "boolean"),
+    ("completion", comp(speculative_decoding=0), {}, "speculative_decoding", "boolean"),
+    ("chat", chat(nvext={"speculative_decoding": "off"}), {}, "nvext.speculative_decoding",
+     "boolean"),
+    # The top-level switch wins, but a bad nvext copy is still a bad request.
+    ("completion", comp(speculative_decoding=True, nvext={"speculative_decoding": 1}), {},
+     "nvext.speculative_decoding", "boolean"),
     ("chat", chat(min_tokens=10, max_tokens=5), {}, "min_tokens", "exceed"),
     ("chat", chat(repetition_penalty=0), {}, "repetition_penalty", "> 0"),
     ("chat", chat(repetition_penalty="x"), {}, "repetition_penalty", "number"),
@@ -301,6 +308,24 @@ def test_top_level_wins_over_nvext() -> None:
     assert (req.ignore_eos, req.top_k, req.min_tokens, req.repetition_penalty) == (False, 9, 0, 1.0)
 
 
+@pytest.mark.parametrize(("kind", "fields", "expected"), [
+    ("chat", {}, True),
+    ("chat", {"speculative_decoding": False}, False),
+    ("completion", {"speculative_decoding": False}, False),
+    ("completion", {"speculative_decoding": True}, True),
+    ("chat", {"speculative_decoding": None}, True),
+    ("chat", {"nvext": {"speculative_decoding": False}}, False),
+    ("completion", {"speculative_decoding": True, "nvext": {"speculative_decoding": False}}, True),
+    ("chat", {"speculative_decoding": False, "nvext": {"speculative_decoding": True}}, False),
+])
+def test_speculative_decoding_switch(kind: oai_request.Kind, fields: dict[str, Any],
+                                     expected: bool) -> None:
+    body = chat(**fields) if kind == "chat" else comp(**fields)
+    req = oai_request.parse_request(body, kind)
+    assert req.speculative is expected
+    assert req.sampling(4).speculative is expected
+
+
 @pytest.mark.parametrize(("fields", "expected"), [
     ({"nvext": {"greed_sampling": True}}, 0.0),
     ({"temperature": 0.8, "nvext": {"greed_sampling": True}}, 0.0),
@@ -325,7 +350,8 @@ def test_sla_headers_and_precedence() -> None:
 # --- response shapes --------------------------------------------------------------------------
 
 CID, MODEL, CREATED = "chatcmpl-abc", "m", 1_700_000_000
-USAGE = Usage(prompt_tokens=11, completion_tokens=3, cached_tokens=8)
+USAGE = Usage(prompt_tokens=11, completion_tokens=3, cached_tokens=8,
+              accepted_prediction_tokens=2, rejected_prediction_tokens=5)
 VOCAB = {1: "Hel", 2: "lo", 3: "!", 4: "é", 5: "lo"}
 LOGPROBS = [
     TokenLogprob(1, -0.1, (TopLogprob(1, -0.1), TopLogprob(4, -2.5))),
@@ -364,6 +390,9 @@ def test_chat_completion_parses(reason: FinishReason) -> None:
     assert choice.finish_reason == oai_response.FINISH_REASONS[reason]
     assert parsed.usage is not None and parsed.usage.total_tokens == 14
     assert parsed.usage.prompt_tokens_details.cached_tokens == 8  # type: ignore[union-attr]
+    details = parsed.usage.completion_tokens_details
+    assert details is not None
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2, 5)
     content = choice.logprobs.content  # type: ignore[union-attr]
     assert [c.token for c in content] == ["Hel", "lo", "!"]  # type: ignore[union-attr]
     assert content[1].logprob == -9999.0  # type: ignore[index]
@@ -390,6 +419,8 @@ def test_chat_stream_chunks_parse() -> None:
     assert all(p.choices[0].finish_reason is None for p in parsed[:3])
     assert usage.choices == [] and usage.usage is not None
     assert usage.usage.prompt_tokens_details.cached_tokens == 8  # type: ignore[union-attr]
+    details = usage.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens == 2
 
 
 def test_completion_logprobs_shape_and_offsets() -> None:
@@ -461,16 +492,21 @@ def test_official_client_chat_stream_round_trip() -> None:
     stream = client_for(handler).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
         stream_options={"include_usage": True}, max_completion_tokens=8, seed=3, stop=["x"],
-        extra_headers={"x-slo-ttft-ms": "250"}, extra_body={"nvext": {"top_k": 4}},
+        extra_headers={"x-slo-ttft-ms": "250"},
+        extra_body={"nvext": {"top_k": 4}, "speculative_decoding": False},
     )
     received = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
     assert text == "Hello!"
     assert [c.choices[0].finish_reason for c in received if c.choices][-1] == "stop"
     assert received[-1].usage is not None and received[-1].usage.completion_tokens == 3
+    details = received[-1].usage.completion_tokens_details
+    assert details is not None
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2, 5)
     req = seen[0]
     assert (req.max_tokens, req.seed, req.stop, req.top_k) == (8, 3, ("x",), 4)
     assert req.include_usage and req.ttft_target_ms == 250.0
+    assert req.sampling(8).speculative is False
 
 
 def test_official_client_completion_round_trip() -> None:
