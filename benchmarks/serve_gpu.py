@@ -84,7 +84,7 @@ def kv_blocks(grid: dict) -> int:
 
 async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
                   warmup: bool = True, max_num_tokens: int = EngineArgs.max_num_tokens,
-                  quantization: str = "auto") -> dict:
+                  quantization: str = "auto", speculative_config: str = "") -> dict:
     """The engine's own figures at every (ISL, OSL, B = concurrency) of the grid."""
     from benchmarks.serve_load import closed_loop
     from tandem.engines.reference.engine import create_reference_engine
@@ -93,7 +93,8 @@ async def offline(model: pathlib.Path, device: str, dtype: str, grid: dict,
     engine = create_reference_engine(EngineArgs(
         model=str(model), device=device, dtype=dtype, load_format="dummy",
         num_gpu_blocks=kv_blocks(grid), kv_block_size=BLOCK, max_batch_size=max(batches),
-        max_num_tokens=max_num_tokens, enable_prefix_caching=False, quantization=quantization))
+        max_num_tokens=max_num_tokens, enable_prefix_caching=False, quantization=quantization,
+        speculative_config=speculative_config))
     await engine.start()
     rng = random.Random(1)
 
@@ -145,6 +146,7 @@ def offline_in_subprocess(model: pathlib.Path, args: argparse.Namespace,
         argv += ["--no-warmup"] if args.no_warmup else []
         argv += ["--max-num-tokens", str(args.max_num_tokens)]
         argv += ["--quantization", args.quantization]
+        argv += ["--speculative-config", args.speculative_config]
         argv += ["--only", args.only] if args.only else []
         argv += ["--concurrency", *map(str, concurrency)] if concurrency else []
         subprocess.run(argv, check=True)
@@ -173,7 +175,9 @@ def start_stack(model: pathlib.Path, args: argparse.Namespace, blocks: int, max_
             "--grpc-port", str(args.http_port + 1), "--router-port", str(args.http_port + 100),
             "--decode-ports", str(args.http_port + 200), "--restart-policy", "no",
             "--grace-period-s", "5", "--log-level", "warning",
-            "--quantization", args.quantization, *extra]
+            "--quantization", args.quantization,
+            *(["--speculative-config", args.speculative_config] if args.speculative_config
+              else []), *extra]
     print("$ " + " ".join([*(f"{k}={v}" for k, v in assigned.items()), *argv[1:]]), flush=True)
     handle = log.open("w")
     env = {**os.environ, **assigned}
@@ -463,6 +467,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"),
                         help="the engine's --quantization, alone and under tandem up (fp8: "
                              "the dummy weights' projections in FP8 rows)")
+    parser.add_argument("--speculative-config", default="",
+                        help="the engine's --speculative-config, alone and under tandem up")
     parser.add_argument("--max-num-tokens", type=int, default=EngineArgs.max_num_tokens,
                         help="the engine's token budget per step, alone and in the stack "
                         "(default: the engine's)")
@@ -481,7 +487,7 @@ def main() -> None:
     if args.phase_offline:
         figures = asyncio.run(offline(pathlib.Path(args.model), args.device, args.dtype, grid,
                                       not args.no_warmup, args.max_num_tokens,
-                                      args.quantization))
+                                      args.quantization, args.speculative_config))
         pathlib.Path(args.phase_offline).write_text(json.dumps(figures))
         return
     shape = SMALL if args.smoke else LLAMA_8B

@@ -88,6 +88,74 @@ async def run(engine: ReferenceEngine, prompts: list[list[int]], max_tokens: int
     return list(outs), time.perf_counter() - max(first), engine.num_steps - steps0[0]
 
 
+class HostTimes:
+    """Seconds the step loop spends in each part of a step (wrapped engine methods), so that
+    the step time can be split into the forward pass and the host's work around it."""
+
+    PARTS = ("_propose", "_execute", "_apply")
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        for name in self.PARTS:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, method):
+        is_async = asyncio.iscoroutinefunction(method)
+
+        async def timed_async(*args):
+            start = time.perf_counter()
+            try:
+                return await method(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed_async if is_async else timed
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, dict.fromkeys(self.PARTS, 0.0)
+        return out
+
+
+def replays_ms(engine: ReferenceEngine, width_blocks: int) -> dict[int, float]:
+    """GPU time of the decode graph of each batch bucket (back-to-back replays)."""
+    graphs = engine.graphs
+    out: dict[int, float] = {}
+    if graphs is None:
+        return out
+    for (batch, width), (graph, _) in sorted(graphs.graphs.items()):
+        if width != graphs.buckets(1, width_blocks)[1] or batch > 16:
+            continue
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(30):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[batch] = 1000 * (time.perf_counter() - start) / 30
+    return out
+
+
+async def calibrated_oracle(engine: ReferenceEngine, prompts: list[list[int]],
+                            outputs: list[list[int]], k: int, tokens: int) -> OracleProposer:
+    """An oracle of the target's greedy continuation as verify passes compute it. In bf16 a
+    verify pass (k + 1 rows) rounds differently from a one-row step, and dummy weights give
+    near-tied logits, so plain decoding's continuation soon stops being the verify passes'
+    own. A pass proposing it anyway computes that own continuation (every step has k + 1 rows
+    while a proposal lasts, and a row's result does not depend on the other rows)."""
+    engine.speculation = speculation(
+        "oracle", k, OracleProposer({tuple(p): o + o for p, o in zip(prompts, outputs)}))
+    outs, _, _ = await run(engine, prompts, tokens)
+    return OracleProposer({tuple(p): o for p, o in zip(prompts, outs)})
+
+
 def counters(engine: ReferenceEngine) -> tuple[int, int]:
     spec = engine.speculation
     return (spec.counters.verify_passes, spec.counters.accepted_tokens) if spec else (0, 0)
@@ -120,21 +188,40 @@ async def main() -> None:
         step_ms = 1000 * secs / steps
         rows.append(("1 stream, plain", f"{plain_tps:,.0f}", "1.00", "-", f"{step_ms:.2f}", "-"))
         figures["plain"] = {"tokens_per_s": plain_tps, "step_ms": step_ms}
+        # 1b. plain without overlap scheduling: the host's work no longer hidden.
+        times = HostTimes(engine)
+        overlap, engine.overlap = engine.overlap, None
+        _, secs, steps = await run(engine, prompt, tokens)
+        engine.overlap = overlap
+        full_ms = 1000 * secs / steps
+        parts = {name: 1000 * v / steps for name, v in times.take().items()}
+        rows.append(("1 stream, plain, no overlap", f"{(tokens - 1) / secs:,.0f}",
+                     f"{(tokens - 1) / secs / plain_tps:.2f}", "-", f"{full_ms:.2f}",
+                     "execute {_execute:.2f} + apply {_apply:.2f} ms/step".format(**parts)))
+        figures["plain_no_overlap"] = {"step_ms": full_ms, **parts}
+        replays = replays_ms(engine, -(-(ctx + tokens) // 32))
+        figures["graph_replay_ms"] = replays
+        rows.append(("decode graph replays", "-", "-", "-", "-",
+                     ", ".join(f"b{b} {ms:.2f}" for b, ms in replays.items())))
         # 2. oracle, one stream, k = 1..6.
-        oracle = OracleProposer({tuple(prompt[0]): plain})
-        for k in (1, 2, 4, 6):
+        for k in (1, 2, 3, 4, 6):
+            oracle = await calibrated_oracle(engine, prompt, [plain], k, tokens)
             engine.speculation = speculation("oracle", k, oracle)
+            times.take()
             (out,), secs, steps = await run(engine, prompt, tokens)
+            parts = {name: 1000 * v / steps for name, v in times.take().items()}
             passes, accepted = counters(engine)
             tps = (tokens - 1) / secs
             verify_ms = 1000 * secs / steps
             same = sum(a == b for a, b in zip(out, plain)) / len(plain)
             rows.append((f"1 stream, oracle k={k}", f"{tps:,.0f}", f"{tps / plain_tps:.2f}",
                          f"{1 + accepted / max(passes, 1):.2f}", f"{verify_ms:.2f}",
-                         f"{verify_ms / step_ms:.2f}x step; {same:.0%} same tokens"))
+                         f"{verify_ms / step_ms:.2f}x step, {verify_ms / full_ms:.2f}x full; "
+                         "propose {_propose:.2f} execute {_execute:.2f} apply {_apply:.2f}; "
+                         .format(**parts) + f"{same:.0%} = plain"))
             figures[f"oracle_k{k}"] = {"tokens_per_s": tps, "speedup": tps / plain_tps,
                                        "mean_accepted": 1 + accepted / max(passes, 1),
-                                       "verify_ms": verify_ms, "same_tokens": same}
+                                       "verify_ms": verify_ms, "same_tokens": same, **parts}
         # 3. n-gram on a copy-heavy prompt: the answer can copy the continuation it holds.
         engine.speculation = None
         seed = prompts_of(1, ctx // 2, vocab, salt=2)[0]
@@ -160,8 +247,8 @@ async def main() -> None:
             engine.speculation = None
             outs, secs, _ = await run(engine, prompts, tokens)
             base_tps = batch * (tokens - 1) / secs
-            engine.speculation = speculation(
-                "oracle", 4, OracleProposer({tuple(p): o for p, o in zip(prompts, outs)}))
+            oracle = await calibrated_oracle(engine, prompts, outs, 4, tokens)
+            engine.speculation = speculation("oracle", 4, oracle)
             _, secs, _ = await run(engine, prompts, tokens)
             tps = batch * (tokens - 1) / secs
             rows.append((f"{batch} streams, oracle k=4 vs plain", f"{tps:,.0f}",
