@@ -5,11 +5,13 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +103,15 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
                     [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}",
                     prefill_addresses=[f"127.0.0.1:{p}" for p in prefill],
                     encode_addresses=[f"127.0.0.1:{p}" for p in encode])
+
+
+def local_candidates(topo: Topology) -> float:
+    """Workers the frontend's local router routes to, over every pool kind (its gauge, set
+    every few seconds; the whole frontend's with one frontend process)."""
+    with urllib.request.urlopen(topo.http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(float(value) for value in re.findall(
+        r"^tandem_frontend_local_candidates{[^}]*} (\S+)$", text, re.MULTILINE))
 
 
 def _read_ready_line(proc: subprocess.Popen[str]) -> str:
