@@ -50,8 +50,9 @@ def test_scales_up_under_load_and_drains_what_it_removes(tmp_path: pathlib.Path)
         members = {w.worker_id for w in pool(topo).workers}
         assert any("scale up 1 -> " in p["reason"] for d in report(topo)["decisions"]
                    for p in d["pools"])
-        # Long streams on every worker, then the load stops: the pool shrinks back to 1 while
-        # they run, so the workers it removes must drain them.
+        # Long streams, spread by the router (not always onto every worker), then the load
+        # stops: the pool shrinks back to 1 while they run, so the workers it removes must
+        # drain those they have.
         started = [threading.Event() for _ in range(6)]
         with ThreadPoolExecutor(len(started)) as threads:
             longs = [threads.submit(stream_completion, topo, LONG_TOKENS, first)
