@@ -172,7 +172,10 @@ class GrpcService:
         thaw()
 
     async def shutdown(self) -> None:
-        log.info("draining", extra={"grace_s": self.options.grace_s})
+        # What it had to finish when told to go (a planner's scale-down, a rolling update):
+        # the operator's record that a drain, not a kill, ended those requests.
+        log.info("draining", extra={"address": self.address, "grace_s": self.options.grace_s,
+                                    "in_flight": self.draining.num_in_flight})
         self.draining.begin()
         await self.health.close()
         # Other listeners drain at the same time, so the whole drain fits one grace period.

@@ -58,7 +58,28 @@ def start_planned(tmp: pathlib.Path, max_workers: int, gpu_budget: int = 0,
     # One frontend process: its OpenAI port's /metrics is then the whole frontend's.
     return start_topology("--engine", "mock", "--speedup-ratio", "1", "--planner",
                           "--planner-config", str(tmp / "plan.yaml"), "--grace-period-s", "60",
-                          "--frontend-processes", "1", restart=restart)
+                          "--frontend-processes", "1", "--log-format", "json",
+                          restart=restart, log=up_log(tmp))
+
+
+def up_log(tmp: pathlib.Path) -> pathlib.Path:
+    """The log of every service of start_planned's topology (JSON lines)."""
+    return tmp / "tandem-up.log"
+
+
+def drains(tmp: pathlib.Path) -> dict[int, int]:
+    """Port -> the requests in flight on it when it began to drain, for every server of
+    start_planned's topology that began a drain so far (tandem.runtime.server's "draining"
+    line: its own record, made as the drain begins)."""
+    found: dict[int, int] = {}
+    for line in up_log(tmp).read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # not a service's log line (a traceback's, a warning of Python's)
+        if isinstance(entry, dict) and entry.get("msg") == "draining":
+            found[int(entry["address"].rpartition(":")[2])] = int(entry["in_flight"])
+    return found
 
 
 @dataclasses.dataclass

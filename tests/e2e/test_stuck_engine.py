@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.e2e.disagg_probe import child_pid, generate
-from tests.e2e.topology import start_topology
+from tests.e2e.topology import Topology, local_candidates, start_topology
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -38,7 +39,7 @@ class HealthWatch:
         except grpc.RpcError:
             pass  # closed by the test
 
-    def next(self, timeout_s: float = 15) -> int:
+    def next(self, timeout_s: float = 30) -> int:
         return self.statuses.get(timeout=timeout_s)
 
     def close(self) -> None:
@@ -61,13 +62,25 @@ def _served_by(http_url: str, model: str, n: int) -> list[str]:
         return list(pool.map(post, range(n)))
 
 
+def _wait_local_candidates(topo: Topology, n: int, timeout_s: float = 60) -> None:
+    """Until the frontend's local router (which routes every request here) routes to `n`
+    workers: it follows each worker's health on a stream of its own, so it may learn of a
+    change later than the test's watch, and its gauge is set every few seconds."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := local_candidates(topo)) != n:
+        assert time.monotonic() < deadline, f"the frontend routes to {seen} workers, not {n}"
+        time.sleep(0.2)
+
+
 def test_stuck_engine_turns_not_serving_and_is_routed_around() -> None:
+    # One frontend process: its /metrics is the whole frontend's.
     topo = start_topology("--engine", "mock", "--speedup-ratio", "0", "--progress-timeout-s",
-                          "1", "--debug-hooks", num_decode=2)
+                          "1", "--debug-hooks", "--frontend-processes", "1", num_decode=2)
     stuck, healthy = topo.decode_addresses
     watch = HealthWatch(stuck)
     try:
         assert watch.next() == SERVING
+        _wait_local_candidates(topo, 2)
         assert sorted(set(_served_by(topo.http_url, topo.model, 4))) == sorted(
             [healthy, stuck])
         pid = child_pid(topo.process.pid, int(stuck.rsplit(":", 1)[1]))
@@ -78,14 +91,17 @@ def test_stuck_engine_turns_not_serving_and_is_routed_around() -> None:
         direct.start()
         assert watch.next() == NOT_SERVING
         assert not waiting  # the request really is stuck
-        # The router saw the same health stream: every new request goes to the other worker.
+        # The frontend's router sees the same health (on its own stream: once it has, and not
+        # before, for a request routed to the stuck worker would wait for SIGUSR2): every new
+        # request goes to the other worker.
+        _wait_local_candidates(topo, 1)
         assert set(_served_by(topo.http_url, topo.model, 8)) == {healthy}
         os.kill(pid, signal.SIGUSR2)  # progress resumes
         assert watch.next() == SERVING
-        direct.join(20)
+        direct.join(60)
         assert waiting and len(waiting[0]) == 5  # the stuck request completed
-        # A candidate again (the router hears of it on its own health stream, so allow it a
-        # round or two to catch up with ours).
+        # A candidate again, once the frontend's router heard of it too.
+        _wait_local_candidates(topo, 2)
         assert any(stuck in _served_by(topo.http_url, topo.model, 8) for _ in range(3))
     finally:
         watch.close()

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.e2e.disagg_probe import child_pid
-from tests.e2e.topology import Topology, start_topology, tandem_cmd
+from tests.e2e.topology import Topology, local_candidates, start_topology, tandem_cmd
 
 #: A long shared prefix: 16 blocks of 32 tokens, so a cache hit outweighs any load difference.
 PREFIX = list(range(1000, 1512))
@@ -74,13 +74,6 @@ def metric(topo: Topology, name: str) -> float:
     match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not exported"
     return float(match.group(1))
-
-
-def local_candidates(topo: Topology) -> float:
-    """Workers the frontend's local router routes to, over every pool kind."""
-    text = urllib.request.urlopen(topo.http_url + "/metrics", timeout=10).read().decode()
-    return sum(float(value) for value in re.findall(
-        r"^tandem_frontend_local_candidates{[^}]*} (\S+)$", text, re.MULTILINE))
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:

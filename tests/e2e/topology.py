@@ -1,14 +1,17 @@
 """Helpers that start Tandem the way users do (`tandem up`, `tandem serve`) on free ports."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +71,15 @@ class Topology:
 
 
 def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_encode: int = 0,
-                   env: Mapping[str, str] | None = None, restart: bool = False) -> Topology:
+                   env: Mapping[str, str] | None = None, restart: bool = False,
+                   log: pathlib.Path | None = None) -> Topology:
     """Runs `tandem up` on free ports and returns once it printed its READY line (every service
     serves and the router takes every worker as a candidate); with `num_prefill`,
     disaggregated (`--disagg`); with `num_encode`, an encode pool (`--encode-ports`); `env`
     adds to the environment of every service. Without `restart`, a service that dies stays
     down (`--restart-policy no`: the fault tests watch what its absence does); with it, the
-    launcher restarts it as it does by default."""
+    launcher restarts it as it does by default. With `log`, the log of every service (their
+    shared stderr) goes to that file, for a test to read what they recorded."""
     http, grpc_port, router, *workers = free_ports(3 + num_decode + num_prefill + num_encode)
     if "--router-replicas" in extra:  # replica i listens on router + i
         router = consecutive_free_ports(int(extra[extra.index("--router-replicas") + 1]))[0]
@@ -87,8 +92,9 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
                       "--router-port", str(router), "--decode-ports", *map(str, decode),
                       "--grace-period-s", "5", *disagg,
                       *([] if restart else ["--restart-policy", "no"]), *extra)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+    with open(log, "ab") if log is not None else contextlib.nullcontext() as stderr:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     ready = _read_ready_line(proc)
     fields = dict(item.split("=", 1) for item in ready.split()[1:])
     # Keep draining stdout so the launcher never blocks on a full pipe.
@@ -97,6 +103,15 @@ def start_topology(*extra: str, num_decode: int = 1, num_prefill: int = 0, num_e
                     [f"127.0.0.1:{p}" for p in decode], f"127.0.0.1:{router}",
                     prefill_addresses=[f"127.0.0.1:{p}" for p in prefill],
                     encode_addresses=[f"127.0.0.1:{p}" for p in encode])
+
+
+def local_candidates(topo: Topology) -> float:
+    """Workers the frontend's local router routes to, over every pool kind (its gauge, set
+    every few seconds; the whole frontend's with one frontend process)."""
+    with urllib.request.urlopen(topo.http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(float(value) for value in re.findall(
+        r"^tandem_frontend_local_candidates{[^}]*} (\S+)$", text, re.MULTILINE))
 
 
 def _read_ready_line(proc: subprocess.Popen[str]) -> str:
