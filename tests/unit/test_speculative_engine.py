@@ -224,3 +224,18 @@ def test_draft_model_of_another_vocabulary_refused(tiny: pathlib.Path,
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidRequest, match="vocabulary|cannot be loaded"):
         engine_for(tiny, draft_config(other))
+
+
+def test_rounds_without_proposals_back_off_to_overlap_scheduling(tiny: pathlib.Path) -> None:
+    """Prompts without repeats: prompt lookup finds little, so most steps skip speculation and
+    are launched ahead of the previous step's tokens; the output stays the same."""
+    rng = random.Random(8)
+    batch = [rng.sample(range(5, 256), 40) for _ in range(3)]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    strict = NGRAM.replace('"prompt_lookup_min": 1', '"prompt_lookup_min": 3')
+    _, _, engine = compare(tiny, batch, greedy, strict)
+    assert engine.num_steps_ahead > 0
+    plain = engine_for(tiny)
+    asyncio.run(generate(plain, batch, greedy))
+    # Some rounds still propose (the backoff is at most MAX_BACKOFF_STEPS long).
+    assert 0 < engine.num_steps_ahead < plain.num_steps_ahead

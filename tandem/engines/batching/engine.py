@@ -137,6 +137,8 @@ class BatchingEngine(Engine):
         #: Speculative decoding (--speculative-config; set by a backend that verifies
         #: proposals): None when off.
         self.speculation: Speculation | None = None
+        #: Whether the step being run speculates (decided once per step).
+        self._speculating = False
 
     @property
     def layout(self) -> KvLayout:
@@ -414,7 +416,7 @@ class BatchingEngine(Engine):
         launched ahead instead, and applied when the next step settles it). Returns the plan,
         or None when nothing could run: blocks held outside the batch must come back first."""
         ahead = self._ahead
-        speculating = self._is_speculating()
+        speculating = self._speculating = self._is_speculating()
         if ahead is not None:
             await ahead.host_done()
             if speculating or not may_schedule_ahead(self.scheduler, ahead):
@@ -473,7 +475,7 @@ class BatchingEngine(Engine):
         requests still alive."""
         launched = None
         if (is_plain_decode(plan) and not self.pool.has_copies and not self._gate.is_armed
-                and not self._is_speculating()
+                and not self._speculating
                 and (ahead is None or same_requests(plan, [r for r in ahead.reqs
                                                             if not r.is_finished]))):
             launched = self._launch(plan, ahead)
@@ -538,6 +540,7 @@ class BatchingEngine(Engine):
     # ---- speculative decoding (tandem.engines.speculative.speculation) ------------------------
 
     def _is_speculating(self) -> bool:
+        """Whether the next step speculates (once per step: the policies count steps)."""
         spec = self.speculation
         return spec is not None and spec.is_active(len(self.scheduler.running))
 
@@ -560,9 +563,11 @@ class BatchingEngine(Engine):
                 reqs.append(req)
                 ks.append(k)
         if not reqs:
+            spec.proposed(False)  # none may speculate: let overlap scheduling run meanwhile
             return
         drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
                   else proposer.propose(reqs, ks))
+        spec.proposed(any(drafts))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
             if proposed and not req.is_finished:  # an abort may have come meanwhile
                 req.add_drafts(proposed[:k])
