@@ -239,3 +239,58 @@ def test_rounds_without_proposals_back_off_to_overlap_scheduling(tiny: pathlib.P
     asyncio.run(generate(plain, batch, greedy))
     # Some rounds still propose (the backoff is at most MAX_BACKOFF_STEPS long).
     assert 0 < engine.num_steps_ahead < plain.num_steps_ahead
+
+
+def test_guided_requests_speculate_under_their_grammar(tiny: pathlib.Path) -> None:
+    """The grammar checks proposals (cut at the first it forbids) and masks each row of the
+    verify pass as it stood at that position: the same JSON as without speculation, with
+    proposals accepted (the forced keys and punctuation prompt lookup finds in the prompt)."""
+    from transformers import AutoTokenizer
+
+    from tandem.engines.types import GuidedDecoding, GuidedKind
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "city": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}},
+        "required": ["name", "city", "tags"]}
+    example = '{"name": "ab", "city": "cd", "tags": ["red", "green", "blue"]}'
+    prompt = tokenizer.encode(example + " " + example, add_special_tokens=False)
+    guided = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 0.8, seed=i,
+                              guided=guided)
+
+    _, spec, engine = compare(tiny, [prompt] * 4, sampling)
+    for chunks in spec:
+        json.loads(tokenizer.decode(tokens(chunks), skip_special_tokens=True))
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0
+
+
+def test_masks_along_proposals_cut_at_the_first_forbidden_and_leave_the_guide(
+        tiny: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tandem.engines.guided.matcher import Grammars, bitmask_words
+    from tandem.engines.types import GuidedDecoding, GuidedKind
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    vocab = len(tokenizer)
+    grammars = Grammars.from_model_dir(tiny, vocab, frozenset())
+    guide = grammars.guide(GuidedDecoding(GuidedKind.REGEX, r"ab(c|d)+"), ())
+    a, b, c, x = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c", "x"))
+    width = bitmask_words(vocab)
+    kept, masks = guide.masks_along([a, b, c, x, c], width)
+    assert kept == [a, b, c] and masks.shape == (4, width)
+
+    def allowed(row: int) -> bool:
+        return bool((masks[row, row_token[row] // 32] >> (row_token[row] % 32)) & 1)
+
+    row_token = [a, b, c, c]
+    assert all(allowed(r) for r in range(4))
+    row_token = [b, a, a, x]
+    assert not any(allowed(r) for r in range(4))
+    # The guide is where it was: "a" is still the only start.
+    assert guide.accept(a) and not guide.accept(a)

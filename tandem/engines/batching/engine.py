@@ -44,7 +44,7 @@ from tandem.engines.batching.validation import (  # noqa: F401  (validate_args: 
     num_host_blocks,
     validate_args,
 )
-from tandem.engines.guided.matcher import Grammars, Guide
+from tandem.engines.guided.matcher import Grammars, Guide, bitmask_words
 from tandem.engines.speculative.speculation import Speculation
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -569,8 +569,14 @@ class BatchingEngine(Engine):
                   else proposer.propose(reqs, ks))
         spec.proposed(any(drafts))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
-            if proposed and not req.is_finished:  # an abort may have come meanwhile
-                req.add_drafts(proposed[:k])
+            if not proposed or req.is_finished:  # an abort may have come meanwhile
+                continue
+            proposed = proposed[:k]
+            if req.guide is not None:  # the grammar checks them, and masks each row
+                proposed, req.draft_masks = req.guide.masks_along(
+                    proposed, bitmask_words(self.vocab_size))
+            if proposed:
+                req.add_drafts(proposed)
 
     def _verify(self, req: BatchRequest, sampled: list[Sampled]) -> bool:
         """Emits what one request's verify pass accepted: the draws that equal its proposals,

@@ -43,7 +43,7 @@ class BatchRequest:
                  "num_computed", "num_cached", "table", "hashes", "mm_per_block", "key",
                  "first_token", "status", "stop_ids", "min_tokens", "prompt_logprobs",
                  "kv_handle", "lease_ms", "context", "embeddings", "guide", "num_pending",
-                 "num_draft", "draft_state", "num_proposed", "num_accepted")
+                 "num_draft", "draft_state", "draft_masks", "num_proposed", "num_accepted")
 
     def __init__(self, request: EngineRequest, stream: RequestStream, key: int,
                  eos_ids: frozenset[int], block_size: int, lease_ms: int | None = None,
@@ -99,6 +99,9 @@ class BatchRequest:
         self.num_draft = 0
         #: The proposer's own per-request state (an n-gram index, a draft model's progress).
         self.draft_state: object = None
+        #: A guided request's grammar masks of the verify pass's rows (Guide.masks_along; a
+        #: torch.Tensor [num_draft + 1 or more, words]), None without proposals.
+        self.draft_masks: object = None
         #: Tokens proposed for this request, and those its verify passes accepted (Usage).
         self.num_proposed = 0
         self.num_accepted = 0
@@ -137,6 +140,8 @@ class BatchRequest:
         """Takes the last `count` (default: all) proposed tokens back out of token_ids and
         returns them."""
         count = self.num_draft if count is None else min(count, self.num_draft)
+        if count == self.num_draft:
+            self.draft_masks = None
         if not count:
             return []
         dropped = self.token_ids[-count:]

@@ -117,6 +117,29 @@ class Guide:
         """The grammar is complete and took its stop token: nothing more may follow."""
         return self.stopped or bool(self.matcher.is_terminated())
 
+    def masks_along(self, drafts: list[int], width: int) -> tuple[list[int], torch.Tensor]:
+        """The masks of a verify pass over proposed tokens (speculative decoding): row j
+        allows what may follow the proposals' first j tokens (every token once the grammar
+        ended, as `fill_bitmask` does). The proposals are cut before the first the grammar
+        forbids, and after one that ends it. Returns (the proposals kept, their len + 1 rows
+        [rows, width] int32); the guide is left where it was (rolled back over them)."""
+        self.flush()
+        masks = torch.empty((len(drafts) + 1, width), dtype=torch.int32)
+        matcher = self.matcher
+        taken = 0
+        while True:
+            ended = self.rejected is not None or bool(matcher.is_terminated())
+            if ended:
+                masks[taken] = -1
+            else:
+                self.fill(masks, taken)
+            if ended or taken == len(drafts) or not matcher.accept_token(drafts[taken]):
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        return drafts[:taken], masks[:taken + 1]
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into `bitmask[row]` (CPU, int32)."""
         self.flush()
@@ -226,10 +249,11 @@ class Grammars:
         return guide
 
 
-def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int,
+def fill_bitmask(guides: Sequence[Guide | torch.Tensor | None], vocab_size: int,
                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """One CPU int32 bitmask for a batch: row i allows what guides[i] allows next, every token
-    where guides[i] is None. None when no row is guided. The guides first take the tokens
+    where guides[i] is None, and is guides[i] where that is a row already filled (a verify
+    pass's rows: `Guide.masks_along`). None when no row is guided. The guides first take the tokens
     deferred to them (`Guide.defer`); a row whose grammar then ended (complete, or refused a
     deferred token) allows every token: its request finishes with that token. `out`: a
     buffer to fill (at least len(guides) rows of the bitmask's width, pinned memory for a
@@ -244,6 +268,13 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int,
         bitmask = out[:len(guides)]
     if len(rows) < len(guides):
         bitmask.fill_(-1)
+    filled = [row for row in rows if isinstance(guides[row], torch.Tensor)]
+    for row in filled:
+        bitmask[row] = guides[row]  # type: ignore[assignment]
+    if filled:
+        rows = [row for row in rows if not isinstance(guides[row], torch.Tensor)]
+        if not rows:
+            return bitmask
     chunks = fill_chunks()
     if chunks > 1 and len(rows) >= 2 * chunks:
         per = -(-len(rows) // chunks)
@@ -260,7 +291,7 @@ def fill_bitmask(guides: Sequence[Guide | None], vocab_size: int,
     return bitmask
 
 
-def _flush_and_fill(guides: Sequence[Guide | None], rows: list[int],
+def _flush_and_fill(guides: Sequence[Guide | torch.Tensor | None], rows: list[int],
                     bitmask: torch.Tensor) -> None:
     """The guides of `rows` take their deferred tokens, then fill their rows of `bitmask`."""
     flush_guides([guides[row] for row in rows])  # type: ignore[misc]
@@ -306,7 +337,8 @@ def flush_guides(guides: list[Guide]) -> None:
         guide.flush()
 
 
-def _fill_rows(guides: Sequence[Guide | None], rows: list[int], bitmask: torch.Tensor) -> None:
+def _fill_rows(guides: Sequence[Guide | torch.Tensor | None], rows: list[int],
+               bitmask: torch.Tensor) -> None:
     """Fills `bitmask[row]` from guides[row] for each row (as wide as those guides' masks);
     several rows in one call into xgrammar (GIL released): on its thread pool, or on one
     thread inside a chunk of a parallel fill (`fill_chunks`)."""

@@ -26,6 +26,7 @@ from tandem.engines.args import EngineArgs
 from tandem.engines.batching.ahead import StepAhead
 from tandem.engines.batching.engine import BatchingEngine, Sampled, validate_args
 from tandem.engines.batching.host_copies import CopyTiming
+from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference import jit_watch
@@ -236,7 +237,7 @@ class ReferenceEngine(BatchingEngine):
         samples = _sample_inputs(plan)
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
-        guides = [guide for req in plan.ready for guide in (req.guide, *[None] * req.num_draft)]
+        guides = [guide for req in plan.ready for guide in _row_guides(req)]
         sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
                                                       prompt_ids, encoded, guides)
         for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
@@ -281,7 +282,7 @@ class ReferenceEngine(BatchingEngine):
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
                             prompt_ids: list[list[int]], encoded: dict[str, torch.Tensor],
-                            guides: list[Guide | None],
+                            guides: list[Guide | torch.Tensor | None],
                             ) -> tuple[list[Sampled], list[list[TokenLogprob]]]:
         """Runs in a worker thread: touches tensors only, never request state (guides are only
         read, to fill the step's grammar bitmask while the device computes the logits)."""
@@ -320,12 +321,22 @@ class ReferenceEngine(BatchingEngine):
         return graphs.run(inputs.input_ids, inputs.positions, inputs.meta, bucket)
 
     @staticmethod
-    def _constrain(logits: torch.Tensor, guides: list[Guide | None]) -> None:
+    def _constrain(logits: torch.Tensor, guides: list[Guide | torch.Tensor | None]) -> None:
         """Masks, in place, what each guided row's grammar forbids: one bitmask for the batch,
         filled on the host while the device still computes `logits`, then applied there."""
         bitmask = fill_bitmask(guides, logits.shape[-1])
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
+
+
+def _row_guides(req: BatchRequest) -> list[Guide | torch.Tensor | None]:
+    """What masks each row a ready request samples: its guide, or a verify pass's masks (one
+    row per position; unguided: none)."""
+    if not req.num_draft:
+        return [req.guide]
+    if isinstance(req.draft_masks, torch.Tensor):
+        return list(req.draft_masks[:req.num_draft + 1])
+    return [None] * (req.num_draft + 1)
 
 
 def _sample_inputs(plan: StepPlan) -> list[SampleInput]:

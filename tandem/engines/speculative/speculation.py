@@ -103,11 +103,13 @@ class Speculation:
 
     def budget(self, req: BatchRequest) -> int:
         """How many tokens may be proposed for `req` now (0: none). Only a decoding request
-        whose tokens are all known (none on the device, none proposed), that asked for no
-        grammar (its mask at each proposed position would need the grammar moved over the
-        proposals) and is no prefill worker's; never more than its output has room for, so
-        that no position past max_tokens is computed."""
-        if (not req.sampling.speculative or req.guide is not None or req.lease_ms is not None
+        whose tokens are all known (none on the device, none proposed), whose grammar (if any)
+        has not ended, and that is no prefill worker's; never more than its output has room
+        for, so that no position past max_tokens is computed."""
+        guide = req.guide
+        if guide is not None and (guide.stopped or guide.rejected is not None):
+            return 0
+        if (not req.sampling.speculative or req.lease_ms is not None
                 or req.is_finished or req.num_pending or req.num_draft or req.num_output == 0
                 or req.num_computed != len(req.token_ids) - 1):
             return 0
