@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from tandem.engines.args import EngineArgs
+from tandem.engines.trtllm.speculative import to_llm_speculative_config
 from tandem.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ def from_flags(args: EngineArgs) -> LlmKwargs:
         # asserts one), so the tokenizer is loaded; Tandem still sends token ids and asks for
         # no detokenization.
         out["skip_tokenizer_init"] = False
+    if args.speculative_config:
+        out["speculative_config"] = to_llm_speculative_config(args.speculative_config)
     return out
 
 
@@ -158,7 +161,13 @@ def check_keys(values: Mapping[str, Any], schema: Any, source: str, param: str,
 
 def _nested_model(annotation: Any) -> Any:
     """The one pydantic model class an annotation (Optional, Union, Annotated) allows, else
-    None (discriminated unions such as speculative_config are left to TensorRT-LLM)."""
+    None (discriminated unions such as speculative_config: see `_nested_models`)."""
+    found = _nested_models(annotation)
+    return found[0] if len(found) == 1 else None
+
+
+def _nested_models(annotation: Any) -> list[Any]:
+    """Every pydantic model class an annotation (Optional, Union, Annotated) allows."""
     found: list[Any] = []
 
     def visit(tp: Any) -> None:
@@ -172,24 +181,32 @@ def _nested_model(annotation: Any) -> Any:
             found.append(tp)
 
     visit(annotation)
-    return found[0] if len(found) == 1 else None
+    return found
 
 
 def check_nested_values(values: Mapping[str, Any], schema: Any) -> None:
-    """Validates each nested config dict (kv_cache_config, ...) with its own pydantic model, so
-    that a wrong value fails here rather than when the LLM is built. The top-level model is not
+    """Validates each nested config dict (kv_cache_config, ...) with its own pydantic model (a
+    union's, such as speculative_config's, by its discriminator), so that a wrong value fails
+    here rather than when the LLM is built. The top-level model is not
     built here: its validators look at the GPU.
 
     Raises:
         InvalidRequest: naming the config and pydantic's complaint.
     """
     for key, value in values.items():
-        nested = _nested_model(schema.model_fields[key].annotation) \
-            if key in schema.model_fields else None
-        if nested is None or not isinstance(value, Mapping):
+        if key not in schema.model_fields or not isinstance(value, Mapping):
             continue
+        annotation = schema.model_fields[key].annotation
+        models = _nested_models(annotation)
         try:
-            nested.model_validate(dict(value))
+            if len(models) == 1:
+                models[0].model_validate(dict(value))
+            elif models:
+                # A union of configs (speculative_config: one per decoding_type): pydantic
+                # picks the member by its discriminator, as the LLM will.
+                from pydantic import TypeAdapter
+
+                TypeAdapter(annotation).validate_python(dict(value))
         except ValueError as exc:  # pydantic.ValidationError
             errors = exc.errors() if hasattr(exc, "errors") else []
             detail = "; ".join(
@@ -214,6 +231,11 @@ def build_llm_kwargs(args: EngineArgs, schema: Any) -> LlmKwargs:
     merged: LlmKwargs = {}
     for values, source, param in layers:
         check_keys(values, schema, source, param)
+        if args.speculative_config and param != "engine" and "speculative_config" in values:
+            # Merged key by key, the two would make one config of two methods' settings.
+            raise InvalidRequest(f"speculative decoding is set twice: by --speculative-config "
+                                 f"and by speculative_config in {source}; give one of them",
+                                 param="speculative_config")
         merged = deep_merge(merged, values)
     check_nested_values(merged, schema)
     _default_transfer_timeout(merged, schema)
