@@ -1,7 +1,8 @@
 """Speculative decoding served by `tandem up` on the reference engine, aggregated and
-disaggregated (real NIXL): greedy tokens equal transformers' on prompts whose continuation
-prompt lookup can guess, proposals were accepted (OpenAI's usage.completion_tokens_details), and
-a request that opts out is not speculated."""
+disaggregated (real NIXL), by prompt lookup and by a draft model (the target itself, so that
+its guesses are right): greedy tokens equal transformers' on prompts whose continuation prompt
+lookup can guess, proposals were accepted (OpenAI's usage.completion_tokens_details), and a
+request that opts out is not speculated."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ MAX_TOKENS = 24
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                    "prompt_lookup_max": 3, "disable_by_batch_size": 0})
 ENGINE_FLAGS = ("--engine", "reference", "--device", "cpu", "--kv-block-size", "16",
-                "--num-gpu-blocks-override", "256", "--speculative-config", SPEC)
+                "--num-gpu-blocks-override", "256")
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,15 @@ def reference(model_dir: pathlib.Path) -> Reference:
     return Reference(model_dir)
 
 
-@pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
+@pytest.fixture(scope="module", params=[("aggregated", "ngram"), ("disaggregated", "ngram"),
+                                        ("disaggregated", "draft_model")])
 def topo(request: pytest.FixtureRequest, model_dir: pathlib.Path) -> Iterator[Topology]:
-    topo = start_topology(*ENGINE_FLAGS, "--model", str(model_dir),
-                          num_prefill=1 if request.param == "disaggregated" else 0)
+    mode, method = request.param
+    spec = SPEC if method == "ngram" else json.dumps({
+        "method": "draft_model", "num_speculative_tokens": 3, "model": str(model_dir),
+        "disable_by_batch_size": 0})
+    topo = start_topology(*ENGINE_FLAGS, "--model", str(model_dir), "--speculative-config", spec,
+                          num_prefill=1 if mode == "disaggregated" else 0)
     yield topo
     assert topo.stop() == 0
 

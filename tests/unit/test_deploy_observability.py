@@ -2,22 +2,23 @@
 really expose, and Prometheus scrapes the ports the services really serve metrics on."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import yaml
 from test_compose import ROOT, WORKER_STAGES, by_profile, load_compose, parsed_services
 
+from tandem.engines.types import EngineStats
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.routing.metrics import RouterMetrics
 from tandem.runtime.worker_metrics import WorkerMetrics
 
 
-class _ZeroStats:
-    """Engine stats with every field 0, whatever fields EngineStats has."""
-
-    def __getattr__(self, name: str) -> int:
-        return 0
+def _zero_stats() -> EngineStats:
+    """Engine stats with every required field 0, whatever fields EngineStats has."""
+    return EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)
+                          if f.default is dataclasses.MISSING})
 
 
 def _metric_names() -> set[str]:
@@ -25,7 +26,7 @@ def _metric_names() -> set[str]:
     histograms as *_bucket/_sum/_count), without observing anything."""
     router = RouterMetrics()
     router.watch_index(dict)
-    workers = WorkerMetrics("w", _ZeroStats, "decode").registry
+    workers = WorkerMetrics("w", _zero_stats, "decode").registry
     names = set()
     for registry in (FrontendMetrics("m").registry, router.registry, workers):
         for family in registry.collect():

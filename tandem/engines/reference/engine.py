@@ -456,7 +456,7 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
         "tensor_parallel_size": tp.size})
     engine = ReferenceEngine(args, config, model, kv_cache, device, encoder, followers)
     if args.speculative_config:
-        engine.speculation = create_speculation(args, engine, dtype)
+        engine.speculation = create_speculation(args, engine.vocab_size, kv_cache, dtype)
     if followers is not None:
         host = engine.pool.host
         followers.allocate(num_blocks, host.total if host is not None else 0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,15 +12,13 @@ from tandem.engines.speculative.proposer import NgramProposer, Proposer
 from tandem.engines.speculative.speculation import Speculation
 from tandem.errors import InvalidRequest
 
-if TYPE_CHECKING:  # the engine imports this module
-    from tandem.engines.reference.engine import ReferenceEngine
-
 log = logging.getLogger(__name__)
 
 
-def create_speculation(args: EngineArgs, engine: ReferenceEngine,
+def create_speculation(args: EngineArgs, vocab_size: int, kv_cache: torch.Tensor,
                        dtype: torch.dtype) -> Speculation:
-    """The engine's Speculation, its proposer loaded.
+    """A reference engine's Speculation, its proposer loaded: a draft model beside the
+    target's paged `kv_cache` (as many blocks, on its device), in `dtype`.
 
     Raises:
         InvalidRequest (param "speculative_config"): the config is refused, or names a method
@@ -33,8 +30,8 @@ def create_speculation(args: EngineArgs, engine: ReferenceEngine,
         proposer = NgramProposer(config)
     elif config.method == "draft_model":
         proposer = DraftModelProposer.load(
-            config, engine.vocab_size, engine.kv_cache.shape[2], args.kv_block_size, dtype,
-            engine.device, args.load_format, args.seed)
+            config, vocab_size, kv_cache.shape[2], args.kv_block_size, dtype, kv_cache.device,
+            args.load_format, args.seed)
     else:
         raise InvalidRequest(f"speculative method {config.method!r} is not built in the "
                              "reference engine (ngram is)", param="speculative_config")
