@@ -14,6 +14,7 @@ Runs both models with transformers, on the CPU.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,6 +118,13 @@ def eval_prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
     }
 
 
+def multiply_adds_per_token(spec: demo.DemoSpec) -> int:
+    """Of the weight matrices, for one token (attention over the context left out): the tied
+    embedding counts once, as the output layer; looking a token up costs nothing."""
+    shapes = demo.weight_shapes(spec, spec.vocab_size).values()
+    return sum(math.prod(shape) for shape in shapes if len(shape) == 2)
+
+
 def format_table(rows: dict[str, Measurement]) -> str:
     k = next(iter(rows.values())).k
     lines = [f"{'prompts':<20}{'n':>4}{'positions':>11}{'agreement':>11}"
@@ -148,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = {name: measure(draft, target, prompts, args.k, args.max_new_tokens)
             for name, prompts in eval_prompts(tokenizer).items()}
     print(format_table(rows))
+    target_cost, draft_cost = (multiply_adds_per_token(s) for s in (demo.DEMO_SPEC,
+                                                                   demo.DRAFT_SPEC))
+    print(f"multiply-adds per token: demo {target_cost:,}, draft {draft_cost:,} "
+          f"({target_cost / draft_cost:.1f} times fewer)")
 
 
 if __name__ == "__main__":

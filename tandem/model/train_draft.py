@@ -2,8 +2,10 @@
 
 The draft proposes tokens for speculative decoding, so what counts is how often its greedy next
 token is the demo's. It is a LlamaForCausalLM of shape `demo.DRAFT_SPEC` (1 layer, hidden 32,
-tied embeddings; about 4.5 times fewer multiply-adds per token than the demo, most of them in the
-4096-way output layer both share) with the demo's tokenizer, so token ids match exactly. Writes
+2 heads of 16 dims sharing 1 KV head, tied embeddings) with the demo's tokenizer, so token ids
+match exactly: 146,432 multiply-adds per token against the demo's 663,552 (4.5 times fewer). The
+4096-way output layer is most of either's cost, so the hidden size is what buys the saving; a
+second layer measured no better on the held-out prompts (agreement 0.746 against 0.750). Writes
 `model.safetensors` into DIR; the committed copy in `tandem/model/demo_draft_weights/` was made
 with `python -m tandem.model.train_draft --out tandem/model/demo_draft_weights`, and
 `demo.ensure_demo_model` installs it beside the demo's own tokenizer (`demo.draft_model_dir`).
@@ -18,8 +20,16 @@ batch as it comes) at the positions the demo itself writes, in
 Every `holdout_every`-th corpus example is left out of all three, so `draft_eval` can measure the
 draft on prompts it never saw.
 
-Deterministic as `train_demo` is (fixed seeds, one thread, deterministic algorithms); the demo's
-committed weights are the teacher, so a retrained demo needs a retrained draft.
+Measured by `python -m tandem.model.draft_eval` (greedy, k = 4 drafts per step):
+
+    prompts                n  positions  agreement   accepted/4  tokens/step
+    held-out corpus       49       1887      0.750         2.44         2.66
+    new chat messages     10        237      0.662         2.12         2.14
+
+Training takes about 4 minutes of CPU time (one thread; 5 minutes on this 2-core machine).
+Deterministic as `train_demo` is (fixed seeds, one thread, deterministic algorithms): a second run
+wrote the committed bytes again. The demo's committed weights are the teacher (their digest is in
+the weights' metadata), so a retrained demo needs a retrained draft.
 """
 from __future__ import annotations
 
@@ -47,7 +57,7 @@ class DistillConfig:
     min_prompt_tokens: int = 12
     continuation_tokens: int = 64
     #: Sampled continuations per prompt, besides the greedy one.
-    num_samples: int = 2
+    num_samples: int = 6
     sample_temperature: float = 1.0
     generate_batch: int = 32
 
