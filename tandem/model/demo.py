@@ -222,7 +222,7 @@ def committed_file(name: str, assets_dir: str = ASSETS_DIR) -> Any:
 @functools.cache
 def committed_digests(assets_dir: str = ASSETS_DIR) -> dict[str, str]:
     """sha256 of each committed file of `assets_dir`, by name."""
-    names = DRAFT_ASSET_FILES if assets_dir == DRAFT_ASSETS_DIR else ASSET_FILES
+    names = {ASSETS_DIR: ASSET_FILES, DRAFT_ASSETS_DIR: DRAFT_ASSET_FILES}[assets_dir]
     return {name: hashlib.sha256(committed_file(name, assets_dir).read_bytes()).hexdigest()
             for name in names}
 
