@@ -7,6 +7,12 @@ corpus. The tokenizer and the weights are committed package data (`demo_weights/
 `python -m tandem.model.train_demo`, see there): training them again under other library versions
 could give another tokenizer that no longer matches the weights. The JSON configs are written from
 `DEMO_SPEC`. Every build gives identical bytes.
+
+The demo's draft model, for speculative decoding, is installed with it, in the subdirectory
+`draft/` (`draft_model_dir(demo_dir)`): a complete Hugging Face model directory of shape
+`DRAFT_SPEC` with the demo's own tokenizer files, so its token ids are the demo's. Its weights
+(`demo_draft_weights/`) were distilled from the demo's by `python -m tandem.model.train_draft`;
+`python -m tandem.model.draft_eval` measures how often it predicts the demo's next tokens.
 """
 from __future__ import annotations
 
@@ -26,12 +32,19 @@ from typing import Any
 #: Bump whenever the generated files change: ensure_demo_model rebuilds copies of other versions
 #: (it also rebuilds when the committed files change: the marker records their digests).
 #: 2: random weights (model.safetensors). 3: trained weights and their tokenizer, committed.
-DEMO_FORMAT_VERSION = 3
+#: 4: the draft model in DRAFT_DIR.
+DEMO_FORMAT_VERSION = 4
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 #: The committed files, in the package directory ASSETS_DIR.
 ASSETS_DIR = "demo_weights"
 ASSET_FILES = (TOKENIZER_FILE, WEIGHTS_FILE)
+#: The draft's committed weights, in the package directory DRAFT_ASSETS_DIR (its tokenizer is
+#: the demo's).
+DRAFT_ASSETS_DIR = "demo_draft_weights"
+DRAFT_ASSET_FILES = (WEIGHTS_FILE,)
+#: The draft model's directory inside the demo model's.
+DRAFT_DIR = "draft"
 #: Written last; its presence with the expected content marks a complete, current demo model.
 MARKER_FILE = "tandem-demo.json"
 
@@ -85,6 +98,9 @@ class DemoSpec:
 
 
 DEMO_SPEC = DemoSpec()
+#: The draft model for speculative decoding: one layer, hidden 32 (`train_draft` explains why).
+DRAFT_SPEC = DemoSpec(hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
 
 
 def default_demo_model_dir() -> pathlib.Path:
@@ -99,24 +115,45 @@ def create_demo_model(path: str | pathlib.Path) -> pathlib.Path:
     """Write the demo model into `path` (created if missing; existing files are overwritten).
 
     Not atomic: use ensure_demo_model where other processes may read the directory.
-    Returns the directory. Raises RuntimeError if the committed files do not fit DEMO_SPEC."""
-    from tokenizers import Tokenizer
-
+    Returns the directory. Raises RuntimeError if the committed files do not fit DEMO_SPEC (or
+    the draft's DRAFT_SPEC)."""
     spec = DEMO_SPEC
     root = pathlib.Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    assets = {name: committed_file(name).read_bytes() for name in ASSET_FILES}
-    tokenizer = Tokenizer.from_str(assets[TOKENIZER_FILE].decode("utf-8"))
+    tokenizer_json = committed_file(TOKENIZER_FILE).read_bytes()
+    _write_model_dir(root, spec, tokenizer_json, committed_file(WEIGHTS_FILE).read_bytes(),
+                     ASSETS_DIR, "train_demo")
+    _write_model_dir(root / DRAFT_DIR, DRAFT_SPEC, tokenizer_json,
+                     committed_file(WEIGHTS_FILE, DRAFT_ASSETS_DIR).read_bytes(),
+                     DRAFT_ASSETS_DIR, "train_draft")
+    _write_json(root / MARKER_FILE, _marker(spec))
+    return root
+
+
+def draft_model_dir(demo_dir: str | pathlib.Path) -> pathlib.Path:
+    """The draft model directory inside a demo model directory that ensure_demo_model (or
+    create_demo_model) wrote; load it as any model directory. Raises FileNotFoundError if
+    `demo_dir` holds no draft (not a demo model, or one installed before drafts were)."""
+    path = pathlib.Path(demo_dir) / DRAFT_DIR
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{demo_dir} has no demo draft model ({DRAFT_DIR}/config.json); "
+                                "install the demo model with tandem.model.demo.ensure_demo_model")
+    return path
+
+
+def _write_model_dir(root: pathlib.Path, spec: DemoSpec, tokenizer_json: bytes, weights: bytes,
+                     assets_dir: str, script: str) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    _check_assets(spec, vocab_size, _safetensors_shapes(assets[WEIGHTS_FILE]))
+    _check_assets(spec, vocab_size, _safetensors_shapes(weights), assets_dir, script)
     ids = special_token_ids(tokenizer)
-    for name, data in assets.items():
-        (root / name).write_bytes(data)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / TOKENIZER_FILE).write_bytes(tokenizer_json)
+    (root / WEIGHTS_FILE).write_bytes(weights)
     _write_json(root / "tokenizer_config.json", _tokenizer_config(spec))
     _write_json(root / "config.json", model_config(spec, vocab_size, ids))
     _write_json(root / "generation_config.json", _generation_config(ids))
-    _write_json(root / MARKER_FILE, _marker(spec))
-    return root
 
 
 def ensure_demo_model(path: str | pathlib.Path | None = None) -> pathlib.Path:
@@ -171,18 +208,23 @@ def _move_aside(target: pathlib.Path) -> None:
 
 def _marker(spec: DemoSpec) -> dict[str, Any]:
     return {"format_version": DEMO_FORMAT_VERSION, "spec": dataclasses.asdict(spec),
-            "assets": _asset_digests()}
+            "assets": committed_digests(),
+            "draft_spec": dataclasses.asdict(DRAFT_SPEC),
+            "draft_assets": committed_digests(DRAFT_ASSETS_DIR)}
 
 
-def committed_file(name: str) -> Any:
-    """One of ASSET_FILES in the installed package (an importlib.resources Traversable)."""
-    return resources.files("tandem.model").joinpath(ASSETS_DIR, name)
+def committed_file(name: str, assets_dir: str = ASSETS_DIR) -> Any:
+    """One of ASSET_FILES (or with DRAFT_ASSETS_DIR, of DRAFT_ASSET_FILES) in the installed
+    package (an importlib.resources Traversable)."""
+    return resources.files("tandem.model").joinpath(assets_dir, name)
 
 
 @functools.cache
-def _asset_digests() -> dict[str, str]:
-    return {name: hashlib.sha256(committed_file(name).read_bytes()).hexdigest()
-            for name in ASSET_FILES}
+def committed_digests(assets_dir: str = ASSETS_DIR) -> dict[str, str]:
+    """sha256 of each committed file of `assets_dir`, by name."""
+    names = {ASSETS_DIR: ASSET_FILES, DRAFT_ASSETS_DIR: DRAFT_ASSET_FILES}[assets_dir]
+    return {name: hashlib.sha256(committed_file(name, assets_dir).read_bytes()).hexdigest()
+            for name in names}
 
 
 def _safetensors_shapes(data: bytes) -> dict[str, tuple[int, ...]]:
@@ -193,16 +235,17 @@ def _safetensors_shapes(data: bytes) -> dict[str, tuple[int, ...]]:
             if name != "__metadata__"}
 
 
-def _check_assets(spec: DemoSpec, vocab_size: int, shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_assets(spec: DemoSpec, vocab_size: int, shapes: dict[str, tuple[int, ...]],
+                  assets_dir: str, script: str) -> None:
     expected = weight_shapes(spec, vocab_size)
     wrong = sorted(name for name in expected.keys() | shapes.keys()
                    if expected.get(name) != shapes.get(name))
     if vocab_size != spec.vocab_size or wrong:
         raise RuntimeError(
-            f"the committed demo model files in tandem/model/{ASSETS_DIR}/ do not fit DEMO_SPEC "
+            f"the committed model files in tandem/model/{assets_dir}/ do not fit their spec "
             f"(vocabulary {vocab_size}, spec {spec.vocab_size}; tensors missing, unexpected or "
             f"of another shape: {', '.join(wrong) or 'none'}); retrain them with "
-            f"`python -m tandem.model.train_demo --out tandem/model/{ASSETS_DIR}`")
+            f"`python -m tandem.model.{script} --out tandem/model/{assets_dir}`")
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:

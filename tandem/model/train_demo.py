@@ -27,7 +27,7 @@ import pathlib
 import random
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
@@ -122,15 +122,25 @@ def corpus_examples(corpus: str) -> list[Example]:
     return examples
 
 
-def encode(tokenizer: Any, example: Example, max_len: int) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) pieces of at most `max_len` tokens; labels[i] is the target of
-    position i (the next token) or IGNORE."""
+def tokens(tokenizer: Any, example: Example) -> tuple[list[int], list[bool]]:
+    """The example's token ids, and for each whether the loss counts it."""
     ids: list[int] = []
     counted: list[bool] = []
     for text, trained in example:
         piece = tokenizer.encode(text, add_special_tokens=False).ids
         ids += piece
         counted += [trained] * len(piece)
+    return ids, counted
+
+
+def encode(tokenizer: Any, example: Example, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) pieces of at most `max_len` tokens; labels[i] is the target of
+    position i (the next token) or IGNORE."""
+    return cut(*tokens(tokenizer, example), max_len)
+
+
+def cut(ids: list[int], counted: list[bool], max_len: int) -> list[tuple[list[int], list[int]]]:
+    """`encode`'s pieces of a token sequence."""
     # The last token is no input: nothing follows it.
     inputs = ids[:-1]
     labels = [ids[i + 1] if counted[i + 1] else IGNORE for i in range(len(inputs))]
@@ -183,20 +193,42 @@ def train(tokenizer: Any, examples: Sequence[Example], config: TrainConfig,
           spec: demo.DemoSpec = demo.DEMO_SPEC, log: Any = print) -> tuple[Any, list[float]]:
     """Trains a fresh model on `examples`; returns it (in eval mode) and the loss of every step.
     Reproducible given torch's thread count (main sets one thread)."""
-    import torch
-
     model = build_model(tokenizer, spec, config.seed)
     pieces = [p for example in examples for p in encode(tokenizer, example, config.max_len)]
+    log(f"data: {len(examples)} examples")
+    pad_id = demo.special_token_ids(tokenizer)[demo.PAD_TOKEN]
+    return fit(model, pieces, config, next_token_loss, pad_id, log)
+
+
+#: loss(model, input ids, labels) -> a scalar tensor to minimise; labels as `encode` makes them.
+LossFn = Callable[[Any, Any, Any], Any]
+
+
+def next_token_loss(model: Any, ids: Any, labels: Any) -> Any:
+    """Cross-entropy against the corpus's next tokens where labels are not IGNORE."""
+    import torch
+
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
+def fit(model: Any, pieces: Sequence[tuple[list[int], list[int]]], config: TrainConfig,
+        loss_fn: LossFn, pad_id: int, log: Any = print) -> tuple[Any, list[float]]:
+    """AdamW with warmup and a cosine schedule over `batches(pieces)`, minimising `loss_fn`;
+    returns the model (in eval mode) and the loss of every step."""
+    import torch
+
     num_params = sum(p.numel() for p in model.parameters())
     num_targets = sum(sum(label != IGNORE for label in labels) for _, labels in pieces)
-    log(f"model: {num_params:,} parameters; data: {len(examples)} examples, {len(pieces)} "
-        f"pieces, {num_targets:,} target tokens; {config.steps} steps of {config.batch_size}")
+    log(f"model: {num_params:,} parameters; data: {len(pieces)} pieces, {num_targets:,} target "
+        f"tokens; {config.steps} steps of {config.batch_size}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
-    data = batches(pieces, config, demo.special_token_ids(tokenizer)[demo.PAD_TOKEN])
+    data = batches(pieces, config, pad_id)
     losses: list[float] = []
     model.train()
     start = time.monotonic()
@@ -204,9 +236,7 @@ def train(tokenizer: Any, examples: Sequence[Example], config: TrainConfig,
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config)
         ids, labels = next(data)
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+        loss = loss_fn(model, ids, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -217,6 +247,15 @@ def train(tokenizer: Any, examples: Sequence[Example], config: TrainConfig,
             log(f"step {step + 1:4d}/{config.steps}  loss {sum(recent) / len(recent):.4f}  "
                 f"lr {_lr(step, config):.2e}  {time.monotonic() - start:6.1f}s")
     return model.eval(), losses
+
+
+def make_deterministic() -> None:
+    """One thread (the reduction order of a matmul depends on how it is split across threads)
+    and deterministic algorithms: what makes a training run reproducible byte for byte."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
 
 
 def _lr(step: int, config: TrainConfig) -> float:
@@ -253,19 +292,25 @@ def canonical_safetensors(blob: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + blob[8 + size:]
 
 
+def chat_prompt(tokenizer: Any, message: str) -> list[int]:
+    """The token ids of one user message and the assistant's header, as the chat template
+    renders them with add_generation_prompt."""
+    prompt = [*chat(message), (f"{demo.IM_START_TOKEN}assistant\n", False)]
+    return [i for text, _ in prompt for i in tokenizer.encode(text, add_special_tokens=False).ids]
+
+
 def greedy_chat(model: Any, tokenizer: Any, message: str, max_new_tokens: int = 40) -> str:
     """The model's greedy answer to one user message, decoded without special tokens."""
     import torch
 
-    prompt = [*chat(message), (f"{demo.IM_START_TOKEN}assistant\n", False)]
-    ids = [i for text, _ in prompt for i in tokenizer.encode(text, add_special_tokens=False).ids]
+    ids = chat_prompt(tokenizer, message)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                              dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens)
     return str(tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True))
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import tokenizers
     import torch
     import transformers
@@ -275,8 +320,6 @@ def _versions() -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import torch
-
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path,
@@ -285,9 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
     config = TrainConfig(steps=args.steps, seed=args.seed)
-    # One thread: the reduction order of a matmul depends on how it is split across threads.
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    make_deterministic()
     started = time.monotonic()
     tokenizer = demo.train_tokenizer(demo.DEMO_SPEC)
     model, losses = train(tokenizer, corpus_examples(corpus_text()), config)
@@ -299,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "tandem_train_config": json.dumps(asdict(config), sort_keys=True),
         "tandem_final_loss": f"{final:.4f}",
         # What made these bytes: another version of any of them may train other ones.
-        "tandem_versions": json.dumps(_versions(), sort_keys=True),
+        "tandem_versions": json.dumps(versions(), sort_keys=True),
     })
     print(f"wrote {args.out} in {time.monotonic() - started:.0f}s; final loss {final:.4f}")
     for message in ("Hello!", "The weather", "What would you like to drink?"):

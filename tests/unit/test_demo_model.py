@@ -41,13 +41,16 @@ def hf_tokenizer(demo_dir: pathlib.Path):
 
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    """Every file under `root` (the draft model's directory included), by relative path."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
 
 
 def test_two_builds_are_byte_identical(demo_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     again = _files(demo.create_demo_model(tmp_path / "again"))
-    assert set(again) >= {"config.json", "generation_config.json", "tokenizer.json",
-                          "tokenizer_config.json", demo.WEIGHTS_FILE}
+    model_files = {"config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json", demo.WEIGHTS_FILE}
+    assert set(again) >= model_files | {f"{demo.DRAFT_DIR}/{name}" for name in model_files}
     assert again == _files(demo_dir)
 
 
