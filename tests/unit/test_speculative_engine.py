@@ -294,3 +294,26 @@ def test_masks_along_proposals_cut_at_the_first_forbidden_and_leave_the_guide(
     assert not any(allowed(r) for r in range(4))
     # The guide is where it was: "a" is still the only start.
     assert guide.accept(a) and not guide.accept(a)
+
+
+def test_a_request_finished_by_the_step_settled_for_a_proposal_round(tiny: pathlib.Path) -> None:
+    """While backing off, steps run ahead; the round after settles the last one, whose token
+    may finish the only request: the loop then waits for work instead of failing. One request
+    at a time, at every length up to 24 tokens, meets that at some length."""
+    prompt = random.Random(9).sample(range(5, 256), 30)
+    strict = NGRAM.replace('"prompt_lookup_min": 1', '"prompt_lookup_min": 3')
+
+    async def each_length(engine: ReferenceEngine) -> list[list[int]]:
+        await engine.start()
+        outs = []
+        try:
+            for n in range(1, 25):
+                stream = engine.add_request(EngineRequest(f"n{n}", tuple(prompt), SamplingParams(
+                    max_tokens=n, temperature=0.0, ignore_eos=True)))
+                outs.append([t async for c in stream for t in c.token_ids])
+        finally:
+            await engine.close()
+        return outs
+
+    plain = asyncio.run(each_length(engine_for(tiny)))
+    assert asyncio.run(each_length(engine_for(tiny, strict))) == plain

@@ -422,6 +422,9 @@ class BatchingEngine(Engine):
             if speculating or not may_schedule_ahead(self.scheduler, ahead):
                 await self._settle()  # proposals need every token on the host
                 ahead = None
+                if not self.scheduler.has_work:  # its tokens finished the last requests
+                    self._publish(self.pool.take_events())
+                    return StepPlan()
         if speculating:
             await self._propose()
         plan = self.scheduler.schedule()
