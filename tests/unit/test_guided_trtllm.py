@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pathlib
 import re
-import sys
-from collections.abc import Iterator
 
 import pytest
+from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.guided.grammar import to_grammar
@@ -17,18 +16,6 @@ from tandem.engines.trtllm.sampling import guided_kwargs
 from tandem.engines.types import EngineRequest, FinishReason, GuidedDecoding, GuidedKind
 from tandem.engines.types import SamplingParams as Sampling
 from tandem.errors import FailedPrecondition, InvalidRequest
-
-FAKES = pathlib.Path(__file__).resolve().parents[1] / "fakes"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm() -> Iterator[None]:
-    """The fake `tensorrt_llm` importable for this module's tests only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
-        yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 @pytest.mark.parametrize("guided, expected", [

@@ -7,34 +7,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import pathlib
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, FinishReason, SamplingParams, TokenChunk
 from tandem.errors import FailedPrecondition, InvalidRequest, Overloaded, Unavailable
 
-FAKES = pathlib.Path(__file__).resolve().parents[1] / "fakes"
 TRANSCEIVER = json.dumps({"cache_transceiver_config": {"backend": "DEFAULT"}})
 PROMPT = tuple(range(10, 23))  # 13 tokens: 3 full blocks of 4 and a partial one
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 EOS = 2  # tests/unit/conftest.py's tiny model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm() -> Iterator[None]:
-    """The fake `tensorrt_llm` importable for this module's tests only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
-        yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.trtllm.events import KvEventTranslator
@@ -18,18 +17,9 @@ from tandem.engines.trtllm.stats import engine_stats
 from tandem.engines.types import BlockRemoved, BlockStored, EngineRequest, KvEvent, SamplingParams
 from tandem.kv.hashing import block_hashes
 
-FAKES = pathlib.Path(__file__).resolve().parents[1] / "fakes"
 BIG = (1 << 64) - 5  # an engine hash past 2^63: negative if read as int64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm() -> Iterator[None]:
-    """The fake `tensorrt_llm` importable for this module's tests only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
-        yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 def created(window: int, event_id: int = 0) -> dict[str, Any]:

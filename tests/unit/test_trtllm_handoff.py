@@ -9,9 +9,9 @@ import os
 import pathlib
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
+from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.types import EngineRequest, FinishReason, SamplingParams, TokenLogprob
@@ -49,14 +49,6 @@ asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])))
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm() -> Iterator[None]:
-    """The fake `tensorrt_llm` importable for this module's tests only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
-        yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 async def _tokens(engine: object, request: EngineRequest) -> tuple[list[int], FinishReason]:

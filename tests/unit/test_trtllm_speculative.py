@@ -8,26 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
-
-FAKES = pathlib.Path(__file__).resolve().parents[1] / "fakes"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_trtllm() -> Iterator[None]:
-    """The fake `tensorrt_llm` importable for this module's tests only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
-        yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 async def _llm_speculative_config(args: EngineArgs) -> Any:
