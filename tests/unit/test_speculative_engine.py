@@ -320,8 +320,8 @@ def test_a_request_finished_by_the_step_settled_for_a_proposal_round(tiny: pathl
 
 
 def test_the_demo_draft_is_really_accepted() -> None:
-    """The demo model with its distilled draft (tandem.model.train_draft): the same tokens as
-    plain decoding on held-out corpus prompts, and most proposals accepted (measured: 3.8
+    """The demo model with its distilled draft (tandem.model.train_draft), and with prompt
+    lookup: the same tokens as plain decoding on held-out corpus prompts, and most proposals accepted (measured: 3.8
     tokens per verify pass at k = 4, benchmarks/spec_cpu.py; a third of that would show a
     draft that guesses nothing)."""
     from tokenizers import Tokenizer
@@ -340,3 +340,7 @@ def test_the_demo_draft_is_really_accepted() -> None:
     assert [tokens(c) for c in spec] == [tokens(c) for c in plain]
     assert engine.speculation is not None
     assert engine.speculation.counters.mean_accepted_length > 2.5
+    # Prompt lookup on the demo: the same tokens too.
+    lookup = create_reference_engine(EngineArgs(**args, speculative_config=NGRAM))
+    assert [tokens(c) for c in asyncio.run(generate(lookup, prompts, greedy))] == \
+        [tokens(c) for c in plain]  # type: ignore[arg-type]

@@ -1,7 +1,9 @@
 """Speculative decoding: proposers guess the next tokens, one target pass verifies them.
 
-The pieces are independent of the engine (vLLM v1's `spec_decode/` shape): `config` parses
-`--speculative-config`, `ngram` proposes from the context without weights, `rejection` decides
-which proposals the target accepts (the sampler owns acceptance, so the engine's step does not
-change).
+`config` parses `--speculative-config`; `proposer` holds the proposers' interface and prompt
+lookup (`ngram` its index), `draft_model` the draft-model proposer; `speculation` is the
+engine's side (which requests speculate, what verification accepted, the policies);
+`create` builds it for the reference engine. The batching engine appends proposals before a
+step and verifies them after it (tandem.engines.batching.engine), the reference engine samples
+a verify pass's rows (tandem.engines.reference.engine).
 """
