@@ -44,7 +44,7 @@ from tandem.engines.batching.validation import (  # noqa: F401  (validate_args: 
     num_host_blocks,
     validate_args,
 )
-from tandem.engines.guided.matcher import Grammars, Guide, bitmask_words
+from tandem.engines.guided.matcher import Grammars, Guide
 from tandem.engines.speculative.speculation import Speculation
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import (
@@ -426,7 +426,8 @@ class BatchingEngine(Engine):
                     self._publish(self.pool.take_events())
                     return StepPlan()
         if speculating:
-            await self._propose()
+            assert self.speculation is not None
+            await self.speculation.propose(self.scheduler.running, self.pool, self.vocab_size)
         plan = self.scheduler.schedule()
         self.num_steps += 1
         if not await self._run_ahead(plan, ahead):
@@ -515,7 +516,7 @@ class BatchingEngine(Engine):
 
     def _apply(self, plan: StepPlan, sampled: list[Sampled]) -> None:
         """Emits the step's tokens: the first tokens of transferred requests, then what each
-        ready request sampled (one row, or 1 + its proposals' rows: `_verify`)."""
+        ready request sampled (one row, or 1 + its proposals' rows: Speculation.verify)."""
         finished_any = False
         for req in plan.first_tokens:
             if req.is_finished:  # aborted while the step ran
@@ -530,7 +531,9 @@ class BatchingEngine(Engine):
             if req.is_finished:
                 pass
             elif rows > 1:
-                finished_any |= self._verify(req, sampled[row:row + rows])
+                assert self.speculation is not None
+                finished_any |= self.speculation.verify(req, sampled[row:row + rows],
+                                                        self._emit_sampled, self.pool)
             else:
                 token, logprob = sampled[row]
                 finished_any |= self._emit(req, token, logprob, sampled=True)
@@ -547,57 +550,8 @@ class BatchingEngine(Engine):
         spec = self.speculation
         return spec is not None and spec.is_active(len(self.scheduler.running))
 
-    async def _propose(self) -> None:
-        """Appends proposals to the running requests that may speculate, before the step is
-        scheduled (which computes them with each request's last token)."""
-        spec = self.speculation
-        assert spec is not None
-        proposer = spec.proposer
-        reqs, ks = [], []
-        for req in self.scheduler.running:
-            k = spec.budget(req)
-            if k and proposer.writes_kv:
-                # Its guesses 1..k-1 are fed back at the positions after the last token.
-                needed = len(req.token_ids) + k - 1
-                if not self.pool.can_append(req.table, needed):
-                    continue  # the blocks are better left to the step itself
-                self.pool.append(req.table, needed)
-            if k:
-                reqs.append(req)
-                ks.append(k)
-        if not reqs:
-            spec.proposed(False)  # none may speculate: let overlap scheduling run meanwhile
-            return
-        drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
-                  else proposer.propose(reqs, ks))
-        spec.proposed(any(drafts))
-        for req, k, proposed in zip(reqs, ks, drafts, strict=True):
-            if not proposed or req.is_finished:  # an abort may have come meanwhile
-                continue
-            proposed = proposed[:k]
-            if req.guide is not None:  # the grammar checks them, and masks each row
-                proposed, req.draft_masks = req.guide.masks_along(
-                    proposed, bitmask_words(self.vocab_size))
-            if proposed:
-                req.add_drafts(proposed)
-
-    def _verify(self, req: BatchRequest, sampled: list[Sampled]) -> bool:
-        """Emits what one request's verify pass accepted: the draws that equal its proposals,
-        then the next draw; rolls the rejected positions back. True when it finished."""
-        spec = self.speculation
-        assert spec is not None
-        drafts = req.drop_drafts()
-        accepted = spec.accepted(drafts, [token for token, _ in sampled])
-        spec.counters.record(len(drafts), accepted)
-        req.num_accepted += accepted
-        for token, logprob in sampled[:accepted + 1]:
-            if self._emit(req, token, logprob, sampled=True):
-                return True
-        # The KV of the accepted tokens was computed from the right context; the rest is
-        # dropped with the blocks taken for it.
-        req.num_computed = len(req.token_ids) - 1
-        self.pool.truncate(req.table, len(req.token_ids))
-        return False
+    def _emit_sampled(self, req: BatchRequest, token: int, logprob: TokenLogprob | None) -> bool:
+        return self._emit(req, token, logprob, sampled=True)
 
     def _emit(self, req: BatchRequest, token: int, logprob: TokenLogprob | None,
               sampled: bool = False, taken: bool = False) -> bool:

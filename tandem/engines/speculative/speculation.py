@@ -33,12 +33,20 @@ Turned down twice over:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tandem.engines.batching.ahead import Sampled
 from tandem.engines.batching.request import BatchRequest
+from tandem.engines.guided.matcher import bitmask_words
 from tandem.engines.speculative.config import SpeculativeConfig
 from tandem.engines.speculative.proposer import Proposer
+from tandem.engines.types import TokenLogprob
+from tandem.kv.block_pool import BlockPool
+
+#: Emits one token of a request (the engine's); True when it finished the request.
+Emit = Callable[[BatchRequest, int, TokenLogprob | None], bool]
 
 #: The most steps skipped after rounds that proposed nothing.
 MAX_BACKOFF_STEPS = 16
@@ -123,3 +131,55 @@ class Speculation:
         while n < len(drafts) and drafts[n] == draws[n]:
             n += 1
         return n
+
+    async def propose(self, running: Sequence[BatchRequest], pool: BlockPool,
+                      vocab_size: int) -> None:
+        """Appends proposals to the running requests that may speculate, before the step is
+        scheduled (which computes them with each request's last token); a guided request's
+        grammar checks its proposals and masks each row of the verify pass."""
+        proposer = self.proposer
+        reqs, ks = [], []
+        for req in running:
+            k = self.budget(req)
+            if k and proposer.writes_kv:
+                # Its guesses 1..k-1 are fed back at the positions after the last token.
+                needed = len(req.token_ids) + k - 1
+                if not pool.can_append(req.table, needed):
+                    continue  # the blocks are better left to the step itself
+                pool.append(req.table, needed)
+            if k:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            self.proposed(False)  # none may speculate: let overlap scheduling run meanwhile
+            return
+        drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
+                  else proposer.propose(reqs, ks))
+        self.proposed(any(drafts))
+        for req, k, proposed in zip(reqs, ks, drafts, strict=True):
+            if not proposed or req.is_finished:  # an abort may have come meanwhile
+                continue
+            proposed = proposed[:k]
+            if req.guide is not None:
+                proposed, req.draft_masks = req.guide.masks_along(proposed,
+                                                                  bitmask_words(vocab_size))
+            if proposed:
+                req.add_drafts(proposed)
+
+    def verify(self, req: BatchRequest, sampled: list[Sampled], emit: Emit,
+               pool: BlockPool) -> bool:
+        """Emits what one request's verify pass accepted (`sampled`: its 1 + num_draft rows):
+        the draws that equal its proposals, then the next draw; rolls the rejected positions
+        back. True when it finished."""
+        drafts = req.drop_drafts()
+        accepted = self.accepted(drafts, [token for token, _ in sampled])
+        self.counters.record(len(drafts), accepted)
+        req.num_accepted += accepted
+        for token, logprob in sampled[:accepted + 1]:
+            if emit(req, token, logprob):
+                return True
+        # The KV of the accepted tokens was computed from the right context; the rest is
+        # dropped with the blocks taken for it.
+        req.num_computed = len(req.token_ids) - 1
+        pool.truncate(req.table, len(req.token_ids))
+        return False
