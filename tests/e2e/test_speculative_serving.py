@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from tests.e2e.test_disagg_reference import model_dir, reference  # noqa: F401 (fixtures)
 from tests.e2e.test_reference_engine import Reference
 from tests.e2e.topology import Topology, start_topology
 
@@ -25,21 +26,9 @@ ENGINE_FLAGS = ("--engine", "reference", "--device", "cpu", "--kv-block-size", "
                 "--num-gpu-blocks-override", "256")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from tandem.model.tiny import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: pathlib.Path) -> Reference:
-    return Reference(model_dir)
-
-
 @pytest.fixture(scope="module", params=[("aggregated", "ngram"), ("disaggregated", "ngram"),
                                         ("disaggregated", "draft_model")])
-def served(request: pytest.FixtureRequest, model_dir: pathlib.Path
+def served(request: pytest.FixtureRequest, model_dir: pathlib.Path  # noqa: F811 (fixture)
            ) -> Iterator[tuple[Topology, str]]:
     mode, method = request.param
     spec = SPEC if method == "ngram" else json.dumps({
@@ -62,7 +51,7 @@ def copy_prompts(vocab: int) -> list[list[int]]:
 
 
 def test_greedy_equals_transformers_and_proposals_are_accepted(
-        served: tuple[Topology, str], reference: Reference) -> None:
+        served: tuple[Topology, str], reference: Reference) -> None:  # noqa: F811 (fixture)
     topo, method = served
     client = openai.OpenAI(base_url=topo.http_url + "/v1", api_key="unused", max_retries=0)
     batch = copy_prompts(reference.tokenizer.vocab_size)

@@ -7,7 +7,6 @@ import pathlib
 import re
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.guided.grammar import to_grammar
@@ -16,6 +15,7 @@ from tandem.engines.trtllm.sampling import guided_kwargs
 from tandem.engines.types import EngineRequest, FinishReason, GuidedDecoding, GuidedKind
 from tandem.engines.types import SamplingParams as Sampling
 from tandem.errors import FailedPrecondition, InvalidRequest
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 
 @pytest.mark.parametrize("guided, expected", [

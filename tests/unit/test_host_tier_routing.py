@@ -32,7 +32,8 @@ from tandem.routing.router import Router
 from tandem.routing.workers import RouteContext, SlaHints, WorkerRef, WorkerState
 from tandem.runtime.convert import kv_event_from_pb, kv_event_to_pb
 from tandem.v1 import kv_events_pb2
-from tests.unit.test_trtllm_events import FAKES, _run, _settle
+from tests.unit.fake_packages import faked
+from tests.unit.test_trtllm_events import _run, _settle
 
 BS = 16
 HOST, DEVICE = KvTier.HOST, KvTier.DEVICE
@@ -199,12 +200,8 @@ def test_cache_level_updates_become_tier_moves() -> None:
 
 @pytest.fixture(scope="module")
 def fake_trtllm() -> Iterator[None]:
-    import sys
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
+    with faked("tensorrt_llm"):
         yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt_llm"]:
-        del sys.modules[name]
 
 
 async def test_trtllm_offload_and_onboard_reach_the_index_as_tiers(

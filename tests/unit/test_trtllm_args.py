@@ -9,10 +9,10 @@ import pathlib
 import sys
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest, Unavailable
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 
 def _schema():  # noqa: ANN202 - the fake's pydantic TorchLlmArgs

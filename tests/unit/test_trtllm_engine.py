@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.stream import RequestStream
 from tandem.engines.types import EngineRequest, FinishReason, SamplingParams, TokenChunk
 from tandem.errors import FailedPrecondition, InvalidRequest, Overloaded, Unavailable
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 TRANSCEIVER = json.dumps({"cache_transceiver_config": {"backend": "DEFAULT"}})
 PROMPT = tuple(range(10, 23))  # 13 tokens: 3 full blocks of 4 and a partial one

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.trtllm.events import KvEventTranslator
 from tandem.engines.trtllm.stats import engine_stats
 from tandem.engines.types import BlockRemoved, BlockStored, EngineRequest, KvEvent, SamplingParams
 from tandem.kv.hashing import block_hashes
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 BIG = (1 << 64) - 5  # an engine hash past 2^63: negative if read as int64
 

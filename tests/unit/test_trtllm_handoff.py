@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.engines.types import EngineRequest, FinishReason, SamplingParams, TokenLogprob
 from tandem.runtime import convert
 from tandem.v1 import common_pb2
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FAKES = REPO / "tests" / "fakes"

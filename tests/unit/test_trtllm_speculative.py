@@ -11,10 +11,10 @@ import pathlib
 from typing import Any
 
 import pytest
-from trtllm_fake import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 from tandem.engines.args import EngineArgs
 from tandem.errors import InvalidRequest
+from tests.unit.fake_packages import fake_trtllm  # noqa: F401 (autouse: tensorrt_llm is the fake)
 
 
 async def _llm_speculative_config(args: EngineArgs) -> Any:

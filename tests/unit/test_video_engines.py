@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -22,8 +21,8 @@ from tandem.video.config import VideoEngineArgs
 from tandem.video.engine import create_video_engine
 from tandem.video.mp4 import to_uint8
 from tandem.video.params import PipelineSpec, ResolvedParams
+from tests.unit.fake_packages import faked
 
-FAKES = pathlib.Path(__file__).resolve().parents[1] / "fakes"
 PARAMS = ResolvedParams("a red fox running in the snow", "blurry", width=48, height=32,
                         num_frames=9, fps=16, num_inference_steps=3, guidance_scale=5.0,
                         seed=1234)
@@ -52,11 +51,8 @@ def diffusers_frames(wan_dir: pathlib.Path) -> np.ndarray:
 
 @pytest.fixture
 def fake_visual_gen() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES))
+    with faked("visual_gen"):
         yield
-    for name in [m for m in sys.modules if m.partition(".")[0] == "visual_gen"]:
-        del sys.modules[name]
 
 
 def _run(engine_name: str, model: pathlib.Path, **args: object) -> tuple[np.ndarray, list[int]]:
