@@ -231,3 +231,18 @@ async def test_the_transfer_observer_runs_in_the_admitting_calls_context(make_en
     assert record.num_bytes == 3 * BLOCK_BYTES and record.duration_s >= 0
     assert record.source_worker_id == result.kv_handle.worker_id
     await idle(prefill, decode)
+
+
+async def test_a_prefill_reusing_a_leased_request_id_is_refused(make_engine) -> None:
+    """A request id whose lease is still held is refused at admission (seen by the gRPC fuzz:
+    the second lease used to fail the whole step loop); the engine serves on."""
+    pre = await make_engine()
+    first = await pre.prefill(req("same", [5, 6, 7, 8, 9]), lease_ms=60_000)
+    assert first.kv_handle is not None
+    with pytest.raises(InvalidRequest, match="still holds the KV lease") as info:
+        await pre.prefill(req("same", [5, 6, 7]), lease_ms=60_000)
+    assert info.value.param == "request_id"
+    assert await pre.release("same")
+    again = await pre.prefill(req("same", [5, 6, 7]), lease_ms=60_000)
+    assert again.kv_handle is not None and await pre.release("same")
+    await idle(pre)

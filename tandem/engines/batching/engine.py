@@ -247,6 +247,10 @@ class BatchingEngine(Engine):
             raise InvalidRequest(f"lease_ms must be at least 1, got {lease_ms}",
                                  param="lease_ms")
         self._require_transfer()  # refuse before computing anything
+        if request.request_id in self.leases:
+            raise InvalidRequest(f"request id '{request.request_id}' still holds the KV lease "
+                                 "of an earlier prefill: release it, or use another id",
+                                 param="request_id")
         stream = self._admit(request, lease_ms)
         first: TokenLogprob | None = None
         cached, finish = 0, None
@@ -291,6 +295,10 @@ class BatchingEngine(Engine):
         """A prefill-only request sampled its first token: its blocks go under a lease and the
         handle waits for `prefill` to hand it out."""
         assert req.lease_ms is not None
+        if req.request_id in self.leases:  # taken since admission (prefill refuses it before)
+            self._fail(req, FailedPrecondition(f"request id '{req.request_id}' already holds a "
+                                               "KV lease", param="request_id"))
+            return
         self._end(req)
         table, req.table = req.table, BlockTable()
         bs = self.pool.block_size
