@@ -45,7 +45,8 @@ class OracleProposer(Proposer):
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
         self.continuations = continuations
 
-    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],
+                blocks: Sequence[list[int]] | None = None) -> list[list[int]]:
         out = []
         for req, k in zip(reqs, ks, strict=True):
             known = self.continuations.get(tuple(req.token_ids[:req.num_prompt]), [])

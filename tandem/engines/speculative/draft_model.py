@@ -110,27 +110,29 @@ class DraftModelProposer(Proposer):
         return cls(config, model, kv_cache, device, block_size)
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
-        """Runs in a worker thread; reads each request's tokens and table (stable until the
-        step after it is scheduled: an abort frees blocks, but nothing reuses them before)."""
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],
+                blocks: Sequence[list[int]] | None = None) -> list[list[int]]:
+        """Runs in a worker thread; reads each request's tokens (stable until the step after
+        it is scheduled) and writes through `blocks` (an abort frees them, but nothing reuses
+        them before that step)."""
+        assert blocks is not None
         bs = self.block_size
-        states, tokens, tables = [], [], []
-        for req in reqs:
+        states, tokens, tables = [], [], list(blocks)
+        for req, table in zip(reqs, tables, strict=True):
             state = req.draft_state
             if not isinstance(state, DraftState):
                 state = req.draft_state = DraftState()
-            final = req.token_ids[:req.num_final]
-            blocks = list(req.table.block_ids)
-            state.settle(final, blocks, bs)
+            # All known (Speculation.budget: nothing pending or proposed): no copy per step.
+            final = req.token_ids
+            state.settle(final, table, bs)
             states.append(state)
             tokens.append(final)
-            tables.append(blocks)
         # 1. Catch-up: every token the draft has not computed; the last row guesses first.
         spans = [(final[s.computed:], s.computed) for s, final in zip(states, tokens)]
         guesses = [[g] for g in self._step(spans, tables)]
-        for state, final, blocks in zip(states, tokens, tables, strict=True):
+        for state, final, table in zip(states, tokens, tables, strict=True):
             state.computed = len(final)
-            state.blocks = blocks
+            state.blocks = table
             state.base = len(final)
         # 2. Decode steps: feed each guess while a request wants more.
         for i in range(1, max(ks)):
@@ -173,6 +175,3 @@ class DraftModelProposer(Proposer):
         last = tensor([s - 1 for s in starts[1:]])
         logits = self.model.compute_logits(hidden.index_select(0, last))
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
-
-    def close(self) -> None:
-        del self.model, self.kv_cache

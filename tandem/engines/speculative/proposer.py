@@ -25,11 +25,11 @@ class Proposer(ABC):
     writes_kv = False
 
     @abstractmethod
-    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] tokens for reqs[i] (fewer, or none, where it has no good guess)."""
-
-    def close(self) -> None:  # noqa: B027 (most proposers hold nothing)
-        """Releases what the proposer holds (a draft model's memory)."""
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],
+                blocks: Sequence[list[int]] | None = None) -> list[list[int]]:
+        """Up to ks[i] tokens for reqs[i] (fewer, or none, where it has no good guess).
+        `blocks`: for a proposer that `writes_kv`, each request's block ids, taken on the
+        event loop (an abort while it computes empties the request's table)."""
 
 
 class NgramProposer(Proposer):
@@ -41,7 +41,8 @@ class NgramProposer(Proposer):
         self.params = NgramParams(config.prompt_lookup_min, config.prompt_lookup_max,
                                   config.num_speculative_tokens)
 
-    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],
+                blocks: Sequence[list[int]] | None = None) -> list[list[int]]:
         out = []
         for req, k in zip(reqs, ks, strict=True):
             state = req.draft_state

@@ -153,8 +153,9 @@ class Speculation:
         if not reqs:
             self.proposed(False)  # none may speculate: let overlap scheduling run meanwhile
             return
-        drafts = (await asyncio.to_thread(proposer.propose, reqs, ks) if proposer.computes
-                  else proposer.propose(reqs, ks))
+        blocks = [list(r.table.block_ids) for r in reqs] if proposer.writes_kv else None
+        drafts = (await asyncio.to_thread(proposer.propose, reqs, ks, blocks)
+                  if proposer.computes else proposer.propose(reqs, ks, blocks))
         self.proposed(any(drafts))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
             if not proposed or req.is_finished:  # an abort may have come meanwhile
