@@ -182,7 +182,7 @@ def test_opt_out_and_batch_size_policy(tiny: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("config, message", [
-    ('{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}', "not built"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}', "EAGLE-3 head"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
      "disable_by_batch_size"),

@@ -1,10 +1,7 @@
 """The draft-model proposer: a small model of the target's tokenizer guesses k tokens greedily.
 
 The draft keeps its own KV cache, paged like the target's and addressed through the SAME block
-tables (vLLM's layout for draft KV): position p of a request lives in block
-`table[p // block_size]` of both caches. So it needs no allocator of its own; the engine
-reserves the blocks its proposals will write before it proposes (`writes_kv`), and a block the
-target frees is simply forgotten by the draft too.
+tables (tandem.engines.speculative.draft_kv).
 
 Per request the draft knows how far its own KV is valid (`DraftState.computed`). A proposal:
 
@@ -26,11 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engines.batching.request import BatchRequest
-from tandem.engines.reference.batch import AttentionMetadata, allocate_kv_cache
+from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.draft_kv import Span, blocks_kept, draft_batch
 from tandem.engines.speculative.proposer import Proposer
 from tandem.errors import InvalidRequest
 
@@ -60,8 +58,7 @@ class DraftState:
                 matched += 1
             self.computed = min(self.base + matched, len(tokens) - 1)
             self.guesses = []
-        used = -(-self.computed // block_size)
-        if list(blocks[:used]) != self.blocks[:used]:
+        if not blocks_kept(self.computed, self.blocks, blocks, block_size):
             self.computed = 0
 
 
@@ -144,34 +141,10 @@ class DraftModelProposer(Proposer):
             state.guesses = guess
         return guesses
 
-    def _step(self, spans: list[tuple[list[int], int]], tables: list[list[int]]) -> list[int]:
+    def _step(self, spans: Sequence[Span], tables: list[list[int]]) -> list[int]:
         """One draft forward over each (tokens, first position) span; the greedy token after
         each span's last row."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, lens = [0], []
-        for (toks, start), blocks in zip(spans, tables, strict=True):
-            end = start + len(toks)
-            ids.extend(toks)
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(len(ids))
-            lens.append(end)
-        width = max(-(-n // bs) for n in lens)
-        padded = [blocks[:-(-n // bs)] + [0] * (width - -(-n // bs))
-                  for blocks, n in zip(tables, lens, strict=True)]
-        dev = self.device
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots), query_start_loc=starts, context_lens=lens,
-            context_lens_t=tensor(lens), block_tables=tensor(padded), block_size=bs,
-            is_decode_only=all(len(t) == 1 for t, _ in spans))
-        hidden = self.model(tensor(ids), tensor(positions), meta, self.kv_cache)
-        last = tensor([s - 1 for s in starts[1:]])
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        batch = draft_batch(spans, tables, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.last_rows))
         return [int(t) for t in logits.argmax(dim=-1).tolist()]

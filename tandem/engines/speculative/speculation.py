@@ -102,8 +102,11 @@ class Speculation:
         return True
 
     def proposed(self, any_tokens: bool) -> None:
-        """Told after each round whether it proposed anything (the backoff after misses)."""
-        if any_tokens:
+        """Told after each round whether it proposed anything (the backoff after misses). A
+        proposer that reads the target's hidden states never backs off: overlap scheduling,
+        what skipped rounds buy, is off with it (tandem.engines.reference.engine), and a
+        skipped round would drop the states it needs."""
+        if any_tokens or self.proposer.aux_layers:
             self._backoff = 0
         else:
             self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
