@@ -31,6 +31,8 @@ from tests.unit.test_speculative_engine import (
     copy_prompts,
     engine_for,
     generate,
+    guided_case,
+    guided_tokenizer,
     logprobs,
     tokens,
 )
@@ -79,6 +81,15 @@ def test_greedy_equal_with_logprobs_preemption_and_prefix_hits(tiny: pathlib.Pat
     assert engine.scheduler.num_preemptions > 0 and engine.pool.prefix_hit_rate > 0
     seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     compare(tiny, batch[:4], seeded, spec_config(head, limit=2))
+
+
+def test_guided_requests_equal_with_guesses_the_grammar_cuts(tiny: pathlib.Path,
+                                                             head: pathlib.Path) -> None:
+    """A random head's guesses are mostly cut by the grammar, to none at all: the blocks taken
+    for them go back (the invariants), and the JSON is the same as without speculation."""
+    _, spec, _ = compare(tiny, *guided_case(tiny), spec=spec_config(head))
+    for chunks in spec:
+        json.loads(guided_tokenizer(tiny).decode(tokens(chunks), skip_special_tokens=True))
 
 
 def test_target_hidden_states_are_transformers_at_every_position(tiny: pathlib.Path,

@@ -161,14 +161,16 @@ class Speculation:
                   if proposer.computes else proposer.propose(reqs, ks, blocks))
         self.proposed(any(drafts))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
-            if not proposed or req.is_finished:  # an abort may have come meanwhile
+            if req.is_finished:  # an abort may have come meanwhile
                 continue
             proposed = proposed[:k]
-            if req.guide is not None:
+            if proposed and req.guide is not None:
                 proposed, req.draft_masks = req.guide.masks_along(proposed,
                                                                   bitmask_words(vocab_size))
             if proposed:
                 req.add_drafts(proposed)
+            if proposer.writes_kv:  # the blocks taken for guesses not proposed go back
+                pool.truncate(req.table, len(req.token_ids))
 
     def verify(self, req: BatchRequest, sampled: list[Sampled], emit: Emit,
                pool: BlockPool) -> bool:
