@@ -10,11 +10,13 @@ says when a request's draft KV survived a table change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.engines.reference.batch import AttentionMetadata
+from tandem.engines.speculative.config import SpeculativeConfig
+from tandem.engines.speculative.proposer import Proposer
 
 #: One request's rows of a draft forward: its tokens and the position of the first.
 Span = tuple[Sequence[int], int]
@@ -61,8 +63,33 @@ def draft_batch(spans: Sequence[Span], tables: Sequence[Sequence[int]], block_si
     return DraftBatch(tensor(ids), tensor(positions), meta, tensor([s - 1 for s in starts[1:]]))
 
 
-def blocks_kept(computed: int, old: Sequence[int], new: Sequence[int], block_size: int) -> bool:
-    """Whether the blocks holding a request's first `computed` positions of draft KV (written
-    through `old`) are still its blocks (`new`); preemption frees and replaces them."""
-    used = -(-computed // block_size)
-    return list(new[:used]) == list(old[:used])
+@dataclass(slots=True)
+class DraftKv:
+    """How far one request's draft KV is valid, and through which blocks it was written."""
+
+    #: Leading positions whose draft KV is valid.
+    computed: int = 0
+    #: The block ids that KV was written through (a change means the blocks were replaced).
+    blocks: list[int] = field(default_factory=list)
+
+    def check_blocks(self, blocks: Sequence[int], block_size: int) -> None:
+        """Forgets the KV if the blocks holding it are no longer the request's (`blocks`):
+        preemption frees and replaces them."""
+        used = -(-self.computed // block_size)
+        if list(blocks[:used]) != list(self.blocks[:used]):
+            self.computed = 0
+
+
+class PagedDraftProposer(Proposer):
+    """A proposer that computes with a model of its own over its own paged KV cache (the
+    draft model, the EAGLE-3 head): run off the event loop, its blocks reserved first."""
+
+    computes = True
+    writes_kv = True
+
+    def __init__(self, config: SpeculativeConfig, kv_cache: torch.Tensor, device: torch.device,
+                 block_size: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = block_size

@@ -28,21 +28,16 @@ from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.speculative.config import SpeculativeConfig
-from tandem.engines.speculative.draft_kv import Span, blocks_kept, draft_batch
-from tandem.engines.speculative.proposer import Proposer
+from tandem.engines.speculative.draft_kv import DraftKv, PagedDraftProposer, Span, draft_batch
 from tandem.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class DraftState:
+class DraftState(DraftKv):
     """Where the draft's KV of one request stands."""
 
-    #: Leading positions whose draft KV is valid.
-    computed: int = 0
-    #: The block ids that KV was written through (a change means the blocks were replaced).
-    blocks: list[int] = field(default_factory=list)
     #: The last proposal and the position its first guess was for.
     base: int = 0
     guesses: list[int] = field(default_factory=list)
@@ -58,23 +53,16 @@ class DraftState:
                 matched += 1
             self.computed = min(self.base + matched, len(tokens) - 1)
             self.guesses = []
-        if not blocks_kept(self.computed, self.blocks, blocks, block_size):
-            self.computed = 0
+        self.check_blocks(blocks, block_size)
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(PagedDraftProposer):
     """Greedy proposals from a draft model over its own paged KV cache."""
-
-    computes = True
-    writes_kv = True
 
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, kv_cache: torch.Tensor,
                  device: torch.device, block_size: int) -> None:
-        self.config = config
+        super().__init__(config, kv_cache, device, block_size)
         self.model = model
-        self.kv_cache = kv_cache
-        self.device = device
-        self.block_size = block_size
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target_vocab: int, num_blocks: int,

@@ -37,22 +37,18 @@ from tandem.engines.batching.request import BatchRequest
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.spec import ModelSpec
 from tandem.engines.speculative.config import SpeculativeConfig
-from tandem.engines.speculative.draft_kv import Span, blocks_kept, draft_batch
+from tandem.engines.speculative.draft_kv import DraftKv, PagedDraftProposer, Span, draft_batch
 from tandem.engines.speculative.eagle3_head import Eagle3Head, load_eagle3_head
-from tandem.engines.speculative.proposer import Proposer, StepSpan
+from tandem.engines.speculative.proposer import StepSpan
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Eagle3State:
-    """One request's head KV and the target states it has not consumed yet."""
+class Eagle3State(DraftKv):
+    """One request's head KV (`computed`: the positions whose KV the head computed from the
+    target's states) and the target states it has not consumed yet."""
 
-    #: Positions below this have head KV computed from the target's states (unless `blocks`
-    #: changed since).
-    computed: int = 0
-    #: The block ids that KV was written through.
-    blocks: list[int] = field(default_factory=list)
     #: Target states of consecutive positions from `first`: [positions, n * hidden] pieces.
     first: int = 0
     pieces: list[torch.Tensor] = field(default_factory=list)
@@ -84,19 +80,13 @@ class Eagle3State:
         return out
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(PagedDraftProposer):
     """Greedy chains from an EAGLE-3 head."""
-
-    computes = True
-    writes_kv = True
 
     def __init__(self, config: SpeculativeConfig, head: Eagle3Head, kv_cache: torch.Tensor,
                  device: torch.device, block_size: int) -> None:
-        self.config = config
+        super().__init__(config, kv_cache, device, block_size)
         self.head = head
-        self.kv_cache = kv_cache
-        self.device = device
-        self.block_size = block_size
         self.aux_layers = head.spec.aux_layers
 
     @classmethod
@@ -148,8 +138,7 @@ class Eagle3Proposer(Proposer):
             state = req.draft_state
             if not isinstance(state, Eagle3State):
                 continue
-            if not blocks_kept(state.computed, state.blocks, table, self.block_size):
-                state.computed = 0
+            state.check_blocks(table, self.block_size)
             n = req.num_computed  # Speculation.budget: every token but the last computed
             if not state.pieces or state.first > n - 1 or state.end < n:
                 continue  # no target state of position n - 1 (not computed here)
