@@ -80,7 +80,8 @@ def test_greedy_equals_transformers_and_proposals_are_accepted(
         proposed += details.accepted_prediction_tokens + details.rejected_prediction_tokens
     if method == "draft_model":  # the target as its own draft: its guesses are right
         assert accepted > 0, "no proposal was accepted"
-    assert proposed > 0, "nothing was proposed"
+    if method == "eagle3":  # from the positions the decode worker computed
+        assert proposed > 0, "nothing was proposed"
     # Opted out: the same text, nothing proposed.
     off = complete(batch[0], speculative=False)
     assert off.choices[0].text == got[0].choices[0].text
