@@ -315,3 +315,24 @@ def test_a_head_whose_weights_live_in_layers_0_loads(tiny: pathlib.Path,
     torch.testing.assert_close(head.midlayer.hidden_norm.weight,
                                w["layers.0.hidden_norm.weight"])
     assert isinstance(head.midlayer.self_attn, Attention)
+
+
+def test_kept_states_follow_the_positions_the_target_computed() -> None:
+    from tandem.engines.speculative.eagle3 import Eagle3State
+
+    def rows(first: int, count: int) -> torch.Tensor:
+        return torch.arange(first, first + count, dtype=torch.float32)[:, None]
+
+    state = Eagle3State()
+    state.add(0, rows(0, 5))  # a prompt chunk
+    state.add(5, rows(5, 3))  # the next chunk
+    state.add(8, rows(8, 4))  # a verify pass: positions 8..11
+    state.add(10, rows(10, 1) + 100)  # 10 and 11 were rejected: 10 computed again
+    assert (state.first, state.end) == (0, 11)
+    assert state.take(3, 11)[:, 0].tolist() == [3, 4, 5, 6, 7, 8, 9, 110]
+    assert state.pieces == []  # consumed
+    state.add(11, rows(11, 2))
+    state.add(4, rows(4, 1))  # recomputed from earlier (preemption): only that is kept
+    assert (state.first, state.end) == (4, 5)
+    state.add(9, rows(9, 1))  # a gap (positions computed without states): starts again
+    assert (state.first, state.end) == (9, 10)
