@@ -336,3 +336,15 @@ def test_kept_states_follow_the_positions_the_target_computed() -> None:
     assert (state.first, state.end) == (4, 5)
     state.add(9, rows(9, 1))  # a gap (positions computed without states): starts again
     assert (state.first, state.end) == (9, 10)
+
+
+def test_a_head_of_another_width_needs_its_own_embedding(tiny: pathlib.Path,
+                                                         tmp_path: pathlib.Path) -> None:
+    config = eagle3_config(_config(tiny), hidden_size=96, target_hidden_size=64)
+    w = eagle3_tensors(config, 7, target_hidden=64)
+    with pytest.raises(InvalidRequest, match="no embed_tokens.weight and its hidden size 96"):
+        engine_for(tiny, spec_config(write_eagle3(tmp_path / "narrow", config, w)))
+    w = eagle3_tensors(config, 7, target_hidden=64, embed=True)
+    head_dir = write_eagle3(tmp_path / "own", config, w)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    compare(tiny, copy_prompts(256, 2, seed=14), greedy, spec_config(head_dir))
