@@ -31,7 +31,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     #: Speculative decoding, a JSON object (vLLM's and TensorRT-LLM's spirit): method
     #: ngram (prompt lookup), draft_model (a small model of the same tokenizer) or eagle3
-    #: (TensorRT-LLM only), num_speculative_tokens, the method's own settings
+    #: (an EAGLE-3 head), num_speculative_tokens, the method's own settings
     #: (prompt_lookup_min/max; model) and disable_by_batch_size (no step speculates while
     #: more requests run; default 8, 0: never turned down). Empty: off. Greedy and seeded
     #: output is the same as without it. See docs/engines.md.

@@ -9,6 +9,7 @@ import json
 import pathlib
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -182,7 +183,7 @@ def test_opt_out_and_batch_size_policy(tiny: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("config, message", [
-    ('{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}', "not built"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}', "EAGLE-3 head"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
      "disable_by_batch_size"),
@@ -241,30 +242,40 @@ def test_rounds_without_proposals_back_off_to_overlap_scheduling(tiny: pathlib.P
     assert 0 < engine.num_steps_ahead < plain.num_steps_ahead
 
 
-def test_guided_requests_speculate_under_their_grammar(tiny: pathlib.Path) -> None:
-    """The grammar checks proposals (cut at the first it forbids) and masks each row of the
-    verify pass as it stood at that position: the same JSON as without speculation, with
-    proposals accepted (the forced keys and punctuation prompt lookup finds in the prompt)."""
+def guided_tokenizer(model: pathlib.Path) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+def guided_case(model: pathlib.Path
+                ) -> tuple[list[list[int]], Callable[[int], SamplingParams]]:
+    """Four requests for a small JSON schema (greedy and sampled), whose prompt shows two
+    examples of it."""
     from tandem.engines.types import GuidedDecoding, GuidedKind
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
     schema = {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 8}, "city": {"type": "string", "maxLength": 8},
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}},
         "required": ["name", "city", "tags"]}
     example = '{"name": "ab", "city": "cd", "tags": ["red", "green", "blue"]}'
-    prompt = tokenizer.encode(example + " " + example, add_special_tokens=False)
+    prompt = guided_tokenizer(model).encode(example + " " + example, add_special_tokens=False)
     guided = GuidedDecoding(GuidedKind.JSON_SCHEMA, json.dumps(schema))
 
     def sampling(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 0.8, seed=i,
                               guided=guided)
 
-    _, spec, engine = compare(tiny, [prompt] * 4, sampling)
+    return [prompt] * 4, sampling
+
+
+def test_guided_requests_speculate_under_their_grammar(tiny: pathlib.Path) -> None:
+    """The grammar checks proposals (cut at the first it forbids) and masks each row of the
+    verify pass as it stood at that position: the same JSON as without speculation, with
+    proposals accepted (the forced keys and punctuation prompt lookup finds in the prompt)."""
+    _, spec, engine = compare(tiny, *guided_case(tiny))
     for chunks in spec:
-        json.loads(tokenizer.decode(tokens(chunks), skip_special_tokens=True))
+        json.loads(guided_tokenizer(tiny).decode(tokens(chunks), skip_special_tokens=True))
     stats = engine.stats()
     assert stats.spec_accepted_tokens > 0
 

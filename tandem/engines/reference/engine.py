@@ -30,6 +30,7 @@ from tandem.engines.batching.request import BatchRequest
 from tandem.engines.batching.scheduler import StepPlan
 from tandem.engines.guided.matcher import Guide, apply_bitmask, fill_bitmask
 from tandem.engines.reference import jit_watch
+from tandem.engines.reference.aux_states import AuxStates
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.build import kv_block_bytes, kv_cache_dtype, num_kv_blocks
 from tandem.engines.reference.cuda_graphs import DecodeGraphs
@@ -54,6 +55,7 @@ from tandem.engines.reference.step_inputs import StepInputs, TokenSpan, build_st
 from tandem.engines.reference.transfer import create_nixl_transfer
 from tandem.engines.reference.warmup import warm_eager_steps
 from tandem.engines.speculative.create import create_speculation
+from tandem.engines.speculative.proposer import StepSpan
 from tandem.engines.types import Embedding, EngineRequest, EngineStats, KvLayout, TokenLogprob
 from tandem.errors import InvalidRequest
 from tandem.kv.host_tier import BlockCopies
@@ -118,6 +120,20 @@ class ReferenceEngine(BatchingEngine):
             log.info("host KV tier ready", extra={"kv_host_blocks": host.total,
                                                   "kv_host_bytes": self.host_kv.nbytes,
                                                   "pinned": self.host_kv.is_cuda})
+
+    def capture_aux_states(self, layers: tuple[int, ...]) -> None:
+        """Has every forward keep the hidden states entering `layers` (aux_states: an EAGLE-3
+        head reads them), for each step's proposer `observe`. Overlap scheduling goes off:
+        a step launched ahead would overwrite the states before the loop hands them on.
+        Before `start` (the CUDA graphs capture the copies)."""
+        model = self.model
+        rows = max(self.args.max_num_tokens, self.graphs.batch_buckets[-1] if self.graphs
+                   else 1)
+        model.aux = AuxStates(layers, model.spec.hidden_size, rows,
+                              model.embed_tokens.weight.dtype, self.device)
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
 
     async def start(self) -> None:
         if self.followers is not None and self._task is None:
@@ -238,8 +254,11 @@ class ReferenceEngine(BatchingEngine):
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
         guides = [guide for req in plan.ready for guide in _row_guides(req)]
-        sampled, prompt_lps = await asyncio.to_thread(self._forward_and_sample, inputs, samples,
-                                                      prompt_ids, encoded, guides)
+        spans = _step_spans(plan)  # before the await: verification moves num_computed
+        sampled, prompt_lps, aux = await asyncio.to_thread(
+            self._forward_sample_and_keep, inputs, samples, prompt_ids, encoded, guides)
+        if aux is not None and self.speculation is not None:
+            self.speculation.proposer.observe(spans, aux, self._speculating)
         for (req, _, start, count, _), computed in zip(inputs.prompt_spans, prompt_lps,
                                                        strict=True):
             # Stored by position, so a recompute after preemption overwrites, never appends.
@@ -278,6 +297,20 @@ class ReferenceEngine(BatchingEngine):
             return None
         logits = self.graphs.run(rows, inputs.meta.block_tables, shape)
         return logits.index_select(0, inputs.sample_rows)
+
+    @torch.inference_mode()
+    def _forward_sample_and_keep(self, inputs: StepInputs, samples: list[SampleInput],
+                                 prompt_ids: list[list[int]], encoded: dict[str, torch.Tensor],
+                                 guides: list[Guide | torch.Tensor | None],
+                                 ) -> tuple[list[Sampled], list[list[TokenLogprob]],
+                                            torch.Tensor | None]:
+        """`_forward_and_sample`, and a copy of the step's EAGLE-3 hidden states (None
+        unless they are captured)."""
+        sampled, prompt_lps = self._forward_and_sample(inputs, samples, prompt_ids, encoded,
+                                                       guides)
+        aux = self.model.aux
+        return sampled, prompt_lps, (aux.rows(inputs.input_ids.shape[0]).clone()
+                                     if aux is not None else None)
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: StepInputs, samples: list[SampleInput],
@@ -337,6 +370,16 @@ def _row_guides(req: BatchRequest) -> list[Guide | torch.Tensor | None]:
     if isinstance(req.draft_masks, torch.Tensor):
         return list(req.draft_masks[:req.num_draft + 1])
     return [None] * (req.num_draft + 1)
+
+
+def _step_spans(plan: StepPlan) -> list[StepSpan]:
+    """Each scheduled request's rows of the step: (request, first row, first position, count),
+    in build_step_inputs' order."""
+    spans, row = [], 0
+    for req, n in plan.scheduled:
+        spans.append((req, row, req.num_computed - n, n))
+        row += n
+    return spans
 
 
 def _sample_inputs(plan: StepPlan) -> list[SampleInput]:
@@ -456,7 +499,9 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
         "tensor_parallel_size": tp.size})
     engine = ReferenceEngine(args, config, model, kv_cache, device, encoder, followers)
     if args.speculative_config:
-        engine.speculation = create_speculation(args, engine.vocab_size, kv_cache, dtype)
+        engine.speculation = create_speculation(args, model, kv_cache, dtype)
+        if engine.speculation.proposer.aux_layers:
+            engine.capture_aux_states(engine.speculation.proposer.aux_layers)
     if followers is not None:
         host = engine.pool.host
         followers.allocate(num_blocks, host.total if host is not None else 0)

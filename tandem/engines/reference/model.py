@@ -24,6 +24,7 @@ from tandem.engines.reference.rope import RotaryEmbedding
 from tandem.engines.reference.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from tandem.engines.reference.aux_states import AuxStates
     from tandem.engines.reference.parallel.mirror import Mirror
 
 
@@ -105,6 +106,9 @@ class DecoderModel(nn.Module):
         self.vocab_size = vocab_size or spec.vocab_size
         #: Rank 0 of a tensor-parallel model: what makes the other ranks follow its calls.
         self.mirror: Mirror | None = None
+        #: Where each forward copies the residual stream of an EAGLE-3 head's layers
+        #: (aux_states); None: nothing is captured.
+        self.aux: AuxStates | None = None
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         sparse = spec.sparse_layers or (False,) * spec.num_layers
         self.layers = nn.ModuleList(DecoderLayer(spec, window, is_sparse, self.tp)
@@ -141,8 +145,13 @@ class DecoderModel(nn.Module):
         if self.fusable(hidden, meta.block_size):
             return self._forward_fused(hidden, positions, meta, kv_cache)
         cos, sin = self.rotary_emb(positions)  # gathered once, shared by every layer
+        aux = self.aux
         for index, layer in enumerate(self.layers):
+            if aux is not None:
+                aux.take(index, hidden)
             hidden = layer(hidden, cos, sin, meta, kv_cache[index])
+        if aux is not None:
+            aux.take(len(self.layers), hidden)
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -189,9 +198,14 @@ class DecoderModel(nn.Module):
         first = layers[0].input_layernorm
         normed, residual = kernels.add_rms_norm(hidden, first.weight, first.eps)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        aux = self.aux
         for index, (layer, next_norm) in enumerate(zip(layers, norms)):
+            if aux is not None:  # the residual stream entering this layer
+                aux.take(index, residual)
             attn = layer.self_attn.forward_fused(normed, table, positions, meta, kv_cache[index])
             normed, residual = layer.finish_fused(attn, residual, next_norm)
+        if aux is not None:
+            aux.take(len(layers), residual)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,8 @@ class PrefillGraphs:
             attn = kernels.linear(self.attn[:n], layer.self_attn.o_proj)
             norm = layers[index].input_layernorm if index < len(layers) else model.norm
             normed, residual = layer.finish_fused(attn, self.residual[:n], norm)
+        if model.aux is not None:  # the residual stream entering layer `index` (EAGLE-3)
+            model.aux.take(index, residual)
         if index == len(layers):
             self.hidden[:n].copy_(normed)
             return

@@ -1,10 +1,7 @@
 """The draft-model proposer: a small model of the target's tokenizer guesses k tokens greedily.
 
 The draft keeps its own KV cache, paged like the target's and addressed through the SAME block
-tables (vLLM's layout for draft KV): position p of a request lives in block
-`table[p // block_size]` of both caches. So it needs no allocator of its own; the engine
-reserves the blocks its proposals will write before it proposes (`writes_kv`), and a block the
-target frees is simply forgotten by the draft too.
+tables (tandem.engines.speculative.draft_kv).
 
 Per request the draft knows how far its own KV is valid (`DraftState.computed`). A proposal:
 
@@ -26,25 +23,21 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engines.batching.request import BatchRequest
-from tandem.engines.reference.batch import AttentionMetadata, allocate_kv_cache
+from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.loader import load_model
 from tandem.engines.reference.model import DecoderModel
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.speculative.config import SpeculativeConfig
-from tandem.engines.speculative.proposer import Proposer
+from tandem.engines.speculative.draft_kv import DraftKv, PagedDraftProposer, Span, draft_batch
 from tandem.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class DraftState:
+class DraftState(DraftKv):
     """Where the draft's KV of one request stands."""
 
-    #: Leading positions whose draft KV is valid.
-    computed: int = 0
-    #: The block ids that KV was written through (a change means the blocks were replaced).
-    blocks: list[int] = field(default_factory=list)
     #: The last proposal and the position its first guess was for.
     base: int = 0
     guesses: list[int] = field(default_factory=list)
@@ -60,24 +53,16 @@ class DraftState:
                 matched += 1
             self.computed = min(self.base + matched, len(tokens) - 1)
             self.guesses = []
-        used = -(-self.computed // block_size)
-        if list(blocks[:used]) != self.blocks[:used]:
-            self.computed = 0
+        self.check_blocks(blocks, block_size)
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(PagedDraftProposer):
     """Greedy proposals from a draft model over its own paged KV cache."""
-
-    computes = True
-    writes_kv = True
 
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, kv_cache: torch.Tensor,
                  device: torch.device, block_size: int) -> None:
-        self.config = config
+        super().__init__(config, kv_cache, device, block_size)
         self.model = model
-        self.kv_cache = kv_cache
-        self.device = device
-        self.block_size = block_size
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target_vocab: int, num_blocks: int,
@@ -144,34 +129,10 @@ class DraftModelProposer(Proposer):
             state.guesses = guess
         return guesses
 
-    def _step(self, spans: list[tuple[list[int], int]], tables: list[list[int]]) -> list[int]:
+    def _step(self, spans: Sequence[Span], tables: list[list[int]]) -> list[int]:
         """One draft forward over each (tokens, first position) span; the greedy token after
         each span's last row."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, lens = [0], []
-        for (toks, start), blocks in zip(spans, tables, strict=True):
-            end = start + len(toks)
-            ids.extend(toks)
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(len(ids))
-            lens.append(end)
-        width = max(-(-n // bs) for n in lens)
-        padded = [blocks[:-(-n // bs)] + [0] * (width - -(-n // bs))
-                  for blocks, n in zip(tables, lens, strict=True)]
-        dev = self.device
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots), query_start_loc=starts, context_lens=lens,
-            context_lens_t=tensor(lens), block_tables=tensor(padded), block_size=bs,
-            is_decode_only=all(len(t) == 1 for t, _ in spans))
-        hidden = self.model(tensor(ids), tensor(positions), meta, self.kv_cache)
-        last = tensor([s - 1 for s in starts[1:]])
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        batch = draft_batch(spans, tables, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.last_rows))
         return [int(t) for t in logits.argmax(dim=-1).tolist()]

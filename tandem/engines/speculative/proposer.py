@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tandem.engines.batching.request import BatchRequest
 from tandem.engines.speculative.config import SpeculativeConfig
 from tandem.engines.speculative.ngram import NgramParams, NgramState
+
+if TYPE_CHECKING:
+    import torch
+
+#: One request's rows of a target step: (request, first row, first position, row count).
+StepSpan = tuple[BatchRequest, int, int, int]
 
 
 class Proposer(ABC):
@@ -23,6 +30,16 @@ class Proposer(ABC):
     #: Whether it writes KV of its own at the positions it proposes for: the engine then
     #: gives each request the blocks for those positions first.
     writes_kv = False
+    #: The target layers whose hidden states it reads (EAGLE-3: aux_states' convention); the
+    #: engine then captures them in every step and hands them to `observe`. Empty: none.
+    aux_layers: tuple[int, ...] = ()
+
+    def observe(self, spans: Sequence[StepSpan], states: torch.Tensor, keep_all: bool) -> None:
+        """Told after a target step (on the event loop, before its tokens are applied) the
+        hidden states of `aux_layers` it computed, [rows, n * hidden], and which rows are
+        whose (`spans`); `keep_all` False: the step did not speculate, so keep only what a
+        proposal cannot start without. Only for a proposer with `aux_layers`."""
+        raise NotImplementedError(f"{type(self).__name__} reads no hidden states")
 
     @abstractmethod
     def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],

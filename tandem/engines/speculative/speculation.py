@@ -102,8 +102,11 @@ class Speculation:
         return True
 
     def proposed(self, any_tokens: bool) -> None:
-        """Told after each round whether it proposed anything (the backoff after misses)."""
-        if any_tokens:
+        """Told after each round whether it proposed anything (the backoff after misses). A
+        proposer that reads the target's hidden states never backs off: overlap scheduling,
+        what skipped rounds buy, is off with it (tandem.engines.reference.engine), and a
+        skipped round would drop the states it needs."""
+        if any_tokens or self.proposer.aux_layers:
             self._backoff = 0
         else:
             self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
@@ -158,14 +161,16 @@ class Speculation:
                   if proposer.computes else proposer.propose(reqs, ks, blocks))
         self.proposed(any(drafts))
         for req, k, proposed in zip(reqs, ks, drafts, strict=True):
-            if not proposed or req.is_finished:  # an abort may have come meanwhile
+            if req.is_finished:  # an abort may have come meanwhile
                 continue
             proposed = proposed[:k]
-            if req.guide is not None:
+            if proposed and req.guide is not None:
                 proposed, req.draft_masks = req.guide.masks_along(proposed,
                                                                   bitmask_words(vocab_size))
             if proposed:
                 req.add_drafts(proposed)
+            if proposer.writes_kv:  # the blocks taken for guesses not proposed go back
+                pool.truncate(req.table, len(req.token_ids))
 
     def verify(self, req: BatchRequest, sampled: list[Sampled], emit: Emit,
                pool: BlockPool) -> bool:
