@@ -148,8 +148,10 @@ def test_paged_decode_reads_an_fp8_cache() -> None:
     meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long, device=DEVICE),
                              list(range(len(lens) + 1)), lens, context, tables, block, True)
     ref = decode_attention(q.double(), cache.double(), meta)
-    out = kernels.paged_decode_attention(q, cache, tables, context, block)
-    assert relative_error(out, ref.float()) < 1e-2
+    for per_iter in (None, 64, 128):
+        out = kernels.paged_decode_attention(q, cache, tables, context, block,
+                                             tokens_per_iter=per_iter)
+        assert relative_error(out, ref.float()) < 1e-2, per_iter
 
 
 def test_rope_and_cache_writes_fp8() -> None:

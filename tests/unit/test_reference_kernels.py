@@ -73,8 +73,9 @@ def test_rope_and_cache_writes_only_its_slots() -> None:
     (16, 2, 32, [2000], None),  # GQA 8, one long sequence
     (32, 8, 32, [40, 900, 513], 256),  # sliding window
 ])
+@pytest.mark.parametrize("per_iter", [None, 64, 128])  # blocks per loop iteration
 def test_paged_decode_attention(heads: int, kv_heads: int, block: int, lens: list[int],
-                                window: int | None) -> None:
+                                window: int | None, per_iter: int | None) -> None:
     head = 128
     width = max(-(-n // block) for n in lens) + 2  # wider than any sequence needs
     blocks = len(lens) * width + 3
@@ -85,7 +86,8 @@ def test_paged_decode_attention(heads: int, kv_heads: int, block: int, lens: lis
     meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long, device="cuda"),
                              list(range(len(lens) + 1)), lens, context, tables, block, True)
     ref = decode_attention(q.double(), cache.double(), meta, window)
-    out = kernels.paged_decode_attention(q, cache, tables, context, block, window)
+    out = kernels.paged_decode_attention(q, cache, tables, context, block, window,
+                                         tokens_per_iter=per_iter)
     assert rel_err(out, ref) < 1e-2
     assert rel_err(decode_attention(q, cache, meta, window), ref) < 1e-2  # the bar is fair
 
@@ -98,9 +100,12 @@ def test_decode_attention_ignores_padding_width() -> None:
     q = torch.randn(1, heads, head, device="cuda", dtype=DTYPE)
     context = torch.tensor([600], device="cuda")
     table = torch.randperm(80, device="cuda")[:64].view(1, 64)
-    narrow = kernels.paged_decode_attention(q, cache, table[:, :19], context, block)
-    wide = kernels.paged_decode_attention(q, cache, table, context, block)
-    assert torch.equal(narrow, wide)
+    for per_iter in (None, 128):
+        narrow = kernels.paged_decode_attention(q, cache, table[:, :19], context, block,
+                                                tokens_per_iter=per_iter)
+        wide = kernels.paged_decode_attention(q, cache, table, context, block,
+                                              tokens_per_iter=per_iter)
+        assert torch.equal(narrow, wide)
 
 
 @pytest.mark.parametrize("rows", [1, 9, 128])

@@ -60,13 +60,14 @@ for lens, window in (([5, 40, 100], None), ([5, 40, 100], 24), ([300], None),
     meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long),
                              list(range(len(lens) + 1)), lens, context, tables, block, True)
     ref = decode_attention(q.double(), cache.double(), meta, window, sinks.double())
-    for split in (32, 512):
+    for split, per_iter in ((32, 16), (512, 16), (64, 48), (512, 64)):
         out = kernels.paged_decode_attention(q, cache, tables, context, block, window, split,
-                                             sinks=sinks)
-        assert rel(out, ref) < 1e-5, (lens, window, split, rel(out, ref))
+                                             sinks=sinks, tokens_per_iter=per_iter)
+        assert rel(out, ref) < 1e-5, (lens, window, split, per_iter, rel(out, ref))
         narrow = kernels.paged_decode_attention(q, cache, tables[:, :width - 5], context, block,
-                                                window, split, sinks=sinks)
-        assert torch.equal(out, narrow), (lens, window, split)
+                                                window, split, sinks=sinks,
+                                                tokens_per_iter=per_iter)
+        assert torch.equal(out, narrow), (lens, window, split, per_iter)
 
 experts, top_k = 8, 2
 block_moe = GptOssMoeBlock(64, 48, experts, top_k, 1.702, 2.0)

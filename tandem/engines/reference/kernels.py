@@ -126,7 +126,8 @@ if triton is not None:
                              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                              D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
                              SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                             HAS_SINKS: tl.constexpr):
+                             HAS_SINKS: tl.constexpr, NB: tl.constexpr,
+                             FP16_DOT: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -139,11 +140,13 @@ if triton is not None:
             lo = tl.maximum(lo, tl.maximum(ctx - window, 0) // BS)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
-        n = tl.arange(0, BS)
+        n = tl.arange(0, NB * BS)  # NB blocks per iteration: more bytes in flight per program
         heads = kvh * G + g
         g_mask = g < G
         q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=g_mask[:, None],
                     other=0.0)
+        if FP16_DOT:  # an FP8 cache: e4m3 widens to float16 in one instruction, not to bf16
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         if HAS_SINKS:
@@ -154,15 +157,21 @@ if triton is not None:
             m_i = sink
             l_i = tl.where(sink > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for b in range(lo, hi):
-            block = tl.load(table_ptr + s * table_stride + b).to(tl.int64)
-            offs = ((block * BS + n) * KVH + kvh) * D
-            # FP8 caches (--kv-cache-dtype fp8) are read back in the model's dtype.
-            k = tl.load(kv_ptr + offs[:, None] + d[None, :]).to(q.dtype)
-            v = tl.load(kv_ptr + v_plane + offs[:, None] + d[None, :]).to(q.dtype)
+        for it in range(0, tl.cdiv(hi - lo, NB)):
+            b = lo + it * NB
+            index = b + n // BS
+            inside = index < hi
+            block = tl.load(table_ptr + s * table_stride + index, mask=inside,
+                            other=0).to(tl.int64)
+            offs = ((block * BS + n % BS) * KVH + kvh) * D
+            # FP8 caches (--kv-cache-dtype fp8) are read back in float16, others in q's dtype.
+            k = tl.load(kv_ptr + offs[:, None] + d[None, :], mask=inside[:, None],
+                        other=0.0).to(q.dtype)
+            v = tl.load(kv_ptr + v_plane + offs[:, None] + d[None, :], mask=inside[:, None],
+                        other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k)) * scale
             pos = b * BS + n
-            valid = pos < ctx
+            valid = (pos < ctx) & inside
             if HAS_WINDOW:
                 valid = valid & (pos > ctx - 1 - window)
             qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -333,17 +342,28 @@ SPLIT_TOKENS = 512
 #: graph batch bucket lies on one side of it as the batch it pads does.
 SMALL_BATCH = 8
 SMALL_BATCH_SPLITS = 8
+#: Tokens of context a decode attention program reads per loop iteration (whole blocks, a
+#: power of two of them), by the cache's bytes per element; its warps and pipeline stages.
+#: An FP8 cache's program is bound by its instructions, not by the bytes it reads, unless
+#: each iteration covers more tokens (benchmarks/probes/decode_attention_sweep.py on the H200:
+#: history/engine.md, "FP8 KV cache, round 2").
+DECODE_TOKENS_PER_ITER = {1: 128, 2: 32, 4: 32}
+DECODE_WARPS = 4
+DECODE_STAGES = 2
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int,
                            sliding_window: int | None = None,
                            split_tokens: int = SPLIT_TOKENS,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           tokens_per_iter: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [S, heads, head_size], over the first
     `context_lens[s]` positions of its blocks `block_tables[s]` in `kv_layer`
     [2, num_blocks, block_size, kv_heads, head_size], or over the last `sliding_window` of them.
     `sinks` [heads]: gpt-oss's attention sinks (attention.sink_attention), or None.
+    `tokens_per_iter`, `num_warps`, `num_stages`: the program's tile (DECODE_* by default).
     Returns [S, heads, head_size]."""
     num_seqs, num_heads, head_size = q.shape
     num_kv_heads = kv_layer.shape[3]
@@ -371,7 +391,10 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables
         block_tables.stride(0), max_per_split, min_splits, H=num_heads, KVH=num_kv_heads,
         G=group, D=head_size, BS=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        num_warps=4)
+        NB=triton.next_power_of_2(max((tokens_per_iter or DECODE_TOKENS_PER_ITER.get(
+            kv_layer.element_size(), 32)) // block_size, 1)),
+        FP16_DOT=kv_layer.element_size() == 1,
+        num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES)
     if splits > 1:
         _reduce_splits_kernel[(num_seqs * num_heads,)](
             part_acc, part_ml, context_lens, out, max_per_split, min_splits, H=num_heads,
