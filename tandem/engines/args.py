@@ -24,10 +24,10 @@ class EngineArgs:
     #: quantizes a bf16 checkpoint's dense projections to FP8 per row while loading. FP8
     #: weights stay FP8 on GPUs of compute capability 8.9+, elsewhere they are dequantized.
     quantization: str = "auto"
-    #: Reference engine: the KV cache's dtype: auto (the model's) or fp8 (e4m3, scale 1.0:
-    #: half the bytes of bf16 per block, so twice the blocks and half the attention reads;
-    #: the host tier and KV transfers move the FP8 blocks as they are, and both sides of a
-    #: transfer need the same dtype).
+    #: Reference engine: the KV cache's dtype: auto (the model's) or fp8 (e4m3 at the
+    #: checkpoint's per-layer KV-cache scales, else 1.0: half the bytes of bf16 per block, so
+    #: twice the blocks and half the attention reads; the host tier and KV transfers move the
+    #: FP8 blocks as they are, and both sides of a transfer need the same dtype).
     kv_cache_dtype: str = "auto"
     #: Speculative decoding, a JSON object (vLLM's and TensorRT-LLM's spirit): method
     #: ngram (prompt lookup), draft_model (a small model of the same tokenizer) or eagle3

@@ -476,7 +476,7 @@ def _build_engine(args: EngineArgs, config: ModelConfig, device: torch.device,
     """Rank 0's engine: its shard of the model and of the KV pool; with `followers`, their
     pools sized like its own (the smallest any rank's memory holds) and the model's mirror."""
     model, spec = load_model(args.model, dtype, device, args.load_format, args.seed, tp,
-                              args.quantization)
+                              args.quantization, kv_scales=args.kv_cache_dtype == "fp8")
     if spec.base_model:
         raise InvalidRequest(f"{args.model} is a base model ({config.architecture}: no "
                              "language-model head), fit for embeddings only: serve it on an "

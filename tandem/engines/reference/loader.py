@@ -29,6 +29,7 @@ from tandem.engines.reference.parallel import shard
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.quant.fp8 import fp8_gemm_supported, swap_linears
 from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
+from tandem.engines.reference.quant.kv_scales import fold_kv_scales, read_kv_scales
 from tandem.engines.reference.quant.reader import (
     QuantReader,
     is_scale,
@@ -68,7 +69,8 @@ class Target(NamedTuple):
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device: torch.device,
                load_format: str = "auto", seed: int = 0,
                tp: TensorGroup | None = None, quantization: str = "auto",
-               fp8_layers: bool | None = None) -> tuple[DecoderModel, ModelSpec]:
+               fp8_layers: bool | None = None,
+               kv_scales: bool = False) -> tuple[DecoderModel, ModelSpec]:
     """Build the model described by `model_dir/config.json` on `device`, in eval mode, no grad;
     with `tp` of more than one rank, this rank's shard (parallel.shard).
 
@@ -81,6 +83,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
             scheme); "fp8" also quantizes a float checkpoint's dense projections to FP8 rows.
         fp8_layers: keep FP8 weights as FP8 (quant.fp8.Fp8Linear); None: where the device
             computes FP8 GEMMs. Otherwise FP8 weights are dequantized to `dtype` while loading.
+        kv_scales: fold the checkpoint's FP8 KV-cache scales, if it has any, into the
+            attention weights (quant.kv_scales; for `--kv-cache-dtype fp8`).
     Returns:
         (model, spec); spec.dtype is the dtype actually used, and spec.tie_word_embeddings is
         True when the checkpoint has no lm_head (the embedding is then reused, as HF does).
@@ -154,6 +158,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
         reader = QuantReader(scheme, read_scales(files, rename, device)) if scheme else None
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
                          spec.architecture, shards.cut, reader)
+        if kv_scales and (found := read_kv_scales(files)):
+            fold_kv_scales(model.layers, found)
     return model, spec
 
 

@@ -31,8 +31,9 @@ from tandem.errors import InvalidRequest
 FP8_MAX = 448.0
 #: Checkpoint tensors beside a quantized weight that carry its scale, by suffix.
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
-#: Scales of other things (static activation scales, KV-cache scales), read past: activations
-#: are quantized per token, and the KV cache keeps the model dtype.
+#: Scales of other things (static activation scales, KV-cache scales), not weights' params:
+#: activations are quantized per token, and KV-cache scales are folded into the attention
+#: weights for an FP8 cache (quant.kv_scales).
 IGNORED_SCALE_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale",
                           ".kv_scale", ".input_global_scale", ".weight_zero_point")
 
