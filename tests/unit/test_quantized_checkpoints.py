@@ -209,15 +209,6 @@ def test_a_weight_without_its_scale_is_refused(checkpoints: dict[str, pathlib.Pa
         load_model(tmp_path, torch.float32, torch.device("cpu"))
 
 
-def test_quantized_weights_at_two_ranks_are_refused(checkpoints: dict[str, pathlib.Path]
-                                                    ) -> None:
-    from tandem.engines.reference.parallel.group import TensorGroup
-
-    with pytest.raises(InvalidRequest, match="tensor-parallel-size 1"):
-        load_model(checkpoints["llama/fp8-block"], torch.float32, torch.device("cpu"),
-                   tp=TensorGroup(rank=0, size=2))
-
-
 def test_online_fp8_quantizes_the_projections_per_row(checkpoints: dict[str, pathlib.Path]
                                                       ) -> None:
     """--quantization fp8 of a float checkpoint: each projection row quantized to FP8 with its

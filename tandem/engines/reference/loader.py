@@ -8,6 +8,7 @@ itself (`_parameter_map`), which also gives the missing/unexpected checks for fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -121,8 +122,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
             spec = dataclasses.replace(spec, tie_word_embeddings=True)
 
     tp = tp or TensorGroup()
-    if scheme is not None and tp.size > 1:
-        raise InvalidRequest(f"{scheme.source}-quantized weights are not cut across ranks yet; "
+    if scheme is not None and not scheme.is_fp8 and tp.size > 1:
+        raise InvalidRequest(f"{scheme.method.upper()} weights are not cut across ranks yet; "
                              "serve this checkpoint at --tensor-parallel-size 1",
                              param="tensor_parallel_size")
     shard.check(spec, tp.size)
@@ -323,11 +324,20 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if target is None:
                     continue
                 tensor = f.get_tensor(name)
-                if quant is not None:
-                    tensor = quant.prepare(canonical[name] or name, tensor)
-                if cut is not None:
-                    tensor = cut(canonical[name] or "", tensor)
                 param: torch.Tensor = params[target.name]
+                key = canonical[name] or ""
+                if quant is not None:
+                    tensor = quant.prepare(key or name, tensor)
+                shard_scale = None
+                if cut is not None:
+                    whole = tensor.shape
+                    if quant is not None and tensor.dtype == FP8 and param.dtype != FP8:
+                        tensor = quant.dequantized(key, tensor)  # float values cut as usual
+                    tensor = cut(key, tensor)
+                    if tensor.dtype == FP8 and tensor.shape != whole:
+                        assert quant is not None
+                        shard_scale = quant.shard_scale(key, whole, tensor.shape,
+                                                        functools.partial(cut, key))
                 if target.expert is not None:
                     param = param[target.expert]
                 dest = param[target.start: target.start + target.rows]
@@ -338,9 +348,9 @@ def load_safetensors(module: torch.nn.Module, targets: dict[str, Target],
                 if quant is None:
                     dest.copy_(tensor)  # casts to the model dtype
                     continue
-                quant.write(canonical[name] or name, tensor, dest,
+                quant.write(key or name, tensor, dest,
                             _scale_rows(params, target) if dest.dtype == FP8 else None,
-                            target.start)
+                            target.start, shard_scale)
 
 
 def _scale_rows(params: Mapping[str, torch.Tensor],

@@ -83,7 +83,7 @@ def _build(spec: RankSpec, device: torch.device, tp: TensorGroup, conn: Connecti
     dtype = getattr(torch, spec.dtype)
     try:
         model, local = load_model(args.model, dtype, device, args.load_format, args.seed, tp,
-                                  args.quantization)
+                                  args.quantization, kv_scales=args.kv_cache_dtype == "fp8")
         kv_dtype = kv_cache_dtype(args, dtype)
         num_blocks = num_kv_blocks(args, kv_block_bytes(local, args.kv_block_size, kv_dtype),
                                    device)

@@ -83,28 +83,62 @@ class QuantReader:
             return mxfp4.dequantize(tensor, scales.to(torch.uint8), name)
         return tensor
 
+    def dequantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """FP8 checkpoint tensor `name` as float32 (its scales applied)."""
+        return dequantize(tensor, self._scale(name, tensor.shape), self.scheme.block,
+                          torch.float32)
+
+    def shard_scale(self, name: str, full: torch.Size, part: torch.Size,
+                    cut: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The scales of a tensor-parallel rank's `part` of FP8 weight `name` (whole shape
+        `full`), which `cut` made of the whole: cut as the weight's rows (column-parallel) or
+        columns (row-parallel) were, in the shapes `write` takes.
+
+        Raises:
+            InvalidRequest (param "tensor_parallel_size"): block scales the cut splits.
+        """
+        scale = self._scale(name, full)
+        rows_cut = part[0] != full[0]  # else the columns were cut (row-parallel)
+        block = self.scheme.block
+        if block is None or scale.dim() == 1:  # one scale per row
+            return cut(scale) if rows_cut else scale
+        # Block scales: spread over the weight's rows (or columns), cut as the weight, and
+        # taken back one per block, where the cut falls on block edges.
+        dim, size = (0, block[0]) if rows_cut else (1, block[1])
+        spread = scale.repeat_interleave(size, dim).narrow(dim, 0, full[dim])
+        piece = cut(spread)
+        if piece.shape[dim] % size:
+            raise InvalidRequest(f"{name}: a rank's {piece.shape[dim]} "
+                                 f"{'rows' if rows_cut else 'columns'} split the checkpoint's "
+                                 f"{block[0]}x{block[1]} FP8 scale blocks; serve it at a "
+                                 "tensor-parallel size that keeps whole blocks",
+                                 param="tensor_parallel_size")
+        return piece[::size] if rows_cut else piece[:, ::size]
+
     def write(self, name: str, tensor: torch.Tensor, dest: torch.Tensor,
-              scale_dest: Callable[[int], torch.Tensor] | None, start: int) -> None:
+              scale_dest: Callable[[int], torch.Tensor] | None, start: int,
+              scale: torch.Tensor | None = None) -> None:
         """Copy checkpoint tensor `name` into `dest` (rows [start, start + len) of its
         parameter); `scale_dest(row_divisor)` gives the parameter's matching scale rows when
-        the parameter is FP8 (Fp8Linear), None otherwise."""
+        the parameter is FP8 (Fp8Linear), None otherwise. `scale`: an FP8 tensor's scales
+        when it is a rank's part (`shard_scale`); None: the checkpoint's own."""
         if dest.dtype == FP8:
             assert scale_dest is not None
             if tensor.dtype == FP8:
-                self._write_fp8(name, tensor, dest, scale_dest, start)
+                self._write_fp8(name, tensor, dest, scale_dest, start, scale)
             else:  # online quantization of a float checkpoint
                 q, row_scales = quantize_rows(tensor.to(torch.float32))
                 dest.copy_(q)
                 scale_dest(1).copy_(row_scales)
             return
         if tensor.dtype == FP8:
-            tensor = dequantize(tensor, self._scale(name, tensor), self.scheme.block,
-                                torch.float32)
+            tensor = self.dequantized(name, tensor)
         dest.copy_(tensor)
 
     def _write_fp8(self, name: str, tensor: torch.Tensor, dest: torch.Tensor,
-                   scale_dest: Callable[[int], torch.Tensor], start: int) -> None:
-        scale = self._scale(name, tensor)
+                   scale_dest: Callable[[int], torch.Tensor], start: int,
+                   scale: torch.Tensor | None) -> None:
+        scale = self._scale(name, tensor.shape) if scale is None else scale
         dest.copy_(tensor)
         block = self.scheme.block
         if block is None:
@@ -117,14 +151,14 @@ class QuantReader:
                                  param="model")
         scale_dest(block[0]).copy_(scale)
 
-    def _scale(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`name`'s scale: a scalar or one per row becomes one per row ([N]); block scales
-        keep their [N/bn, K/bk] shape."""
+    def _scale(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """The scale of `name` (of `shape`): a scalar or one per row becomes one per row
+        ([N]); block scales keep their [N/bn, K/bk] shape."""
         scale = self.scales.get(name)
         if scale is None:
             raise InvalidRequest(f"checkpoint tensor {name} is FP8 but has no weight_scale "
                                  "(or weight_scale_inv) beside it", param="model")
-        rows, cols = tensor.shape
+        rows, cols = shape
         block = self.scheme.block
         if block is not None and scale.numel() > 1:
             expected = (-(-rows // block[0]), -(-cols // block[1]))
