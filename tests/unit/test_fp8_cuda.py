@@ -170,3 +170,50 @@ def test_rope_and_cache_writes_fp8() -> None:
         kernels.rope_and_cache(qkv, rope.cos_sin, positions, cache, slots, heads, kv_heads, head)
     # The FP8 cache holds the bf16 cache's values rounded to e4m3.
     assert torch.equal(fp8.float(), bf16.to(torch.float8_e4m3fn).float())
+
+
+def test_checkpoint_kv_scales_keep_an_fp8_cache_in_range_on_the_gpu(tmp_path: pathlib.Path
+                                                                    ) -> None:
+    """quant.kv_scales through the fused CUDA path: RoPE and the cache write in one kernel, the
+    prompt's attention, then decode steps through the paged decode kernel over the FP8 blocks.
+    K and V far past e4m3's range (tests/unit/test_fp8_kv_scales.py's blown-up model): with the
+    checkpoint's scales folded in, the logits stay within FP8's rounding (against float32,
+    relative to bf16's); without them the cache overflows."""
+    from tests.unit.test_fp8_kv_scales import blown_up, with_scales
+
+    src = write_tiny_model(tmp_path / "llama", "llama", seed=4)
+    unscaled = write_fp8_checkpoint(blown_up(src, tmp_path / "blown"), tmp_path / "fp8",
+                                    "ct-channel")
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    for item in unscaled.iterdir():
+        (scaled / item.name).write_bytes(item.read_bytes())
+    with_scales(scaled)
+    tokens = [(7 * i) % 3000 + 5 for i in range(40)]
+
+    def logits(path: pathlib.Path, kv_dtype: torch.dtype,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        model, spec = load_model(path, dtype, DEVICE, kv_scales=kv_dtype == torch.float8_e4m3fn)
+        cache = allocate_kv_cache(spec.num_layers, 4, 16, spec.num_kv_heads, spec.head_size,
+                                  kv_dtype, DEVICE)
+        out = []
+        for length in (36, 37, 38, 39, 40):  # the prompt, then one token per step
+            cached = 0 if length == 36 else length - 1
+            ids, positions, meta = make_step([(tokens[:length], [0, 1, 2], cached)],
+                                             decode=length > 36, block_size=16)
+            meta = dataclasses.replace(
+                meta, slot_mapping=meta.slot_mapping.to(DEVICE),
+                context_lens_t=meta.context_lens_t.to(DEVICE),
+                block_tables=meta.block_tables.to(DEVICE))
+            with torch.no_grad():
+                hidden = model(ids.to(DEVICE), positions.to(DEVICE), meta, cache)
+                out.append(model.compute_logits(hidden[-1:]).float())
+        return torch.cat(out)
+
+    exact = logits(scaled, torch.float32, torch.float32)  # nothing rounded but the weights
+    bf16_error = relative_error(logits(scaled, torch.bfloat16), exact)
+    fp8_error = relative_error(logits(scaled, torch.float8_e4m3fn), exact)
+    # e4m3 keeps 3 mantissa bits of K and V against bf16's 8 (tiny random models amplify
+    # rounding through their layers: the bound is relative to bf16's own).
+    assert fp8_error < 8 * bf16_error, (fp8_error, bf16_error)
+    assert not relative_error(logits(unscaled, torch.float8_e4m3fn), exact) < 0.5

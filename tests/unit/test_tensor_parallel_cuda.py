@@ -78,11 +78,19 @@ def _logits(model_dir: pathlib.Path, size: int, dtype: torch.dtype) -> torch.Ten
     return logits
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe", "llama/fp8-rows",
+                                    "llama/fp8-blocks"])
 def test_two_ranks_on_one_gpu_give_one_ranks_logits(family: str, tmp_path: pathlib.Path) -> None:
+    """FP8 checkpoints (compressed-tensors per row; 16x16 blocks) keep their weights FP8 on a
+    GPU of compute capability 8.9+ (W8A8 GEMMs over each rank's cut)."""
+    from tandem.model.quantize import write_fp8_checkpoint
     from tandem.model.tiny import write_tiny_model
 
-    model_dir = write_tiny_model(tmp_path / family, family, seed=3)
+    base, _, fp8 = family.partition("/")
+    model_dir = write_tiny_model(tmp_path / base, base, seed=3)
+    if fp8:
+        model_dir = write_fp8_checkpoint(model_dir, tmp_path / "fp8", {
+            "fp8-rows": "ct-channel", "fp8-blocks": "fp8-block"}[fp8], (16, 16))
     exact = _logits(model_dir, 1, torch.float32)  # no Triton kernel: torch's float32 path
     one, two = _logits(model_dir, 1, torch.bfloat16), _logits(model_dir, 2, torch.bfloat16)
     one_error = (one - exact).abs().amax(dim=-1).median()
