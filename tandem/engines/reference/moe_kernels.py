@@ -13,6 +13,14 @@ work after the router's projection:
   and the routing weight, writing each row back at its (token, slot) place, so that the sum
   over slots is one more read (kernels.add_rms_norm sums them with the residual).
 
+With MXFP4 experts (quant.mxfp4.PackedExperts) the same kernel runs W4A16 (`MXFP4`): it reads
+each expert's packed 4-bit codes and their e8m0 scales (a quarter of the bf16 bytes, plus one
+byte per 32 values), decodes a tile in registers (each code's sign, exponent and mantissa bits
+placed into a float32, times 2^126 and the scale: exact), rounds it to the model dtype and runs
+tl.dot on it: no dequantized copy of a layer ever exists. Prefill (too many tokens for the
+routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
+every expert (those without rows return at once).
+
 Everything stays on the device and every shape depends only on the token count: no host sync,
 so a CUDA graph can hold it. Rounding follows moe.GptOssMoeBlock's torch path op by op (bf16
 after the GEMM, after each bias add and after each step of the activation); the GEMMs
@@ -32,6 +40,30 @@ MAX_ROUTE_CELLS = 1 << 16
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """float32 [BLOCK_N, BLOCK_K]: the weights of output rows `cols`, inputs [k0, k0 +
+        BLOCK_K), decoded from MXFP4 (k0 and k_cols multiples of 32). Byte j of a row holds
+        inputs 2j (low nibble) and 2j + 1 (high)."""
+        half_k = k_cols // 2
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        codes = tl.load(w_base + cols.to(tl.int64)[:, None] * half_k + kb[None, :],
+                        mask=n_mask[:, None] & (kb < half_k)[None, :], other=0).to(tl.uint32)
+        # e2m1 s.ee.m -> float32 bits s at 31, ee.m at 24..22: 2^(ee - 127) * 1.m (ee > 0) or
+        # the subnormal m * 2^-127; times 2^126 that is the e2m1 value in both cases.
+        low = ((codes & 0x8) << 28) | ((codes & 0x7) << 22)
+        high = ((codes & 0x80) << 24) | ((codes & 0x70) << 18)
+        bits = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+        values = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+        groups = k_cols // 32
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exps = tl.load(s_base + cols.to(tl.int64)[:, None] * groups + kg[None, :],
+                       mask=n_mask[:, None] & (kg < groups)[None, :], other=0).to(tl.uint32)
+        scales = (exps << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 reads as 0
+        values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scales[:, :, None]
+        return tl.reshape(values, [BLOCK_N, BLOCK_K])
 
     # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
     @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
@@ -88,11 +120,11 @@ if triton is not None:
                             (128, 128, 4, 3), (32, 256, 4, 4), (128, 64, 8, 4),
                             (64, 64, 4, 6), (128, 128, 8, 4), (256, 64, 8, 4),
                             (256, 32, 8, 6))],
-        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP"])
+        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"])
     @triton.jit
-    def _expert_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr, active_ptr,
-                            route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
-                            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _expert_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr,
+                            active_ptr, route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
+                            GATE_UP: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.load(active_ptr + tl.program_id(1))
@@ -102,7 +134,11 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = cols < n_cols
         kk = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert.to(tl.int64) * k_cols * n_cols
+        if MXFP4:  # [E, n_cols, k_cols / 2] codes, [E, n_cols, k_cols / 32] scales
+            w_base = w_ptr + expert.to(tl.int64) * n_cols * (k_cols // 2)
+            s_base = scale_ptr + expert.to(tl.int64) * n_cols * (k_cols // 32)
+        else:
+            w_base = w_ptr + expert.to(tl.int64) * k_cols * n_cols
         for m0 in range(start, end, BLOCK_M):  # no trip for an inactive program (-1)
             rows = m0 + tl.arange(0, BLOCK_M)
             r_mask = rows < end
@@ -118,9 +154,14 @@ if triton is not None:
                 k_mask = k < k_cols
                 x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
                             mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
-                            mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc += tl.dot(x, w)
+                if MXFP4:
+                    w_t = _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N,
+                                      BLOCK_K)
+                    acc += tl.dot(x, tl.trans(w_t.to(x.dtype)))
+                else:
+                    w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                                mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    acc += tl.dot(x, w)
             bias = tl.load(bias_ptr + expert.to(tl.int64) * n_cols + cols, mask=n_mask,
                            other=0.0)
             y = (acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]).to(dtype)
@@ -182,27 +223,56 @@ def route(logits: torch.Tensor, top_k: int
     return weights, order, ends, active
 
 
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route`'s (order, ends, active) for any number of tokens, through torch (an on-device
+    sort, no host sync) from expert ids [T, K]; `active` lists every expert."""
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)
+    all_ids = torch.arange(num_experts, device=expert_ids.device)
+    ends = torch.searchsorted(sorted_ids, all_ids, right=True).to(torch.int32)
+    return order.to(torch.int32), ends, all_ids.to(torch.int32)
+
+
 def experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
             gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor,
-            top_k: int, alpha: float, limit: float) -> torch.Tensor:
+            top_k: int, alpha: float, limit: float,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """gpt-oss's routed experts for tokens x [T, H], router logits [T, E]: [T, K, H], each
     slot's down(clamped_swiglu(gate_up(x))) with biases, times its routing weight (sum over K
     for the layer's output). Weights in moe.BiasedExperts' layout: gate_up [E, H, 2I] with
-    interleaved gate/up columns, down [E, I, H]."""
+    interleaved gate/up columns, down [E, I, H]; or, with `scales` (gate_up's, down's), the
+    MXFP4 blocks and scales of quant.mxfp4.PackedExperts."""
+    weights, order, ends, active = route(logits.contiguous(), top_k)
+    return sorted_experts(x, weights, order, ends, active, gate_up, gate_up_bias, down,
+                          down_bias, top_k, alpha, limit, scales)
+
+
+def sorted_experts(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                   ends: torch.Tensor, active: torch.Tensor, gate_up: torch.Tensor,
+                   gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor,
+                   top_k: int, alpha: float, limit: float,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`experts` past the routing: weights [T * K] and (order, ends, active) as `route` or
+    `sort_by_expert` give them."""
     num_tokens, hidden = x.shape
     x = x.contiguous()
-    weights, order, ends, active = route(logits.contiguous(), top_k)
     pairs = num_tokens * top_k
-    width = gate_up.shape[2]
+    num_experts = gate_up.shape[0]
+    is_mxfp4 = scales is not None
+    # Packed: [E, rows, cols / 32, 16] -> [E, rows, cols / 2] (a view, as the file holds it)
+    width = gate_up.shape[1] if is_mxfp4 else gate_up.shape[2]
+    gate_up_w = gate_up.flatten(2) if is_mxfp4 else gate_up
+    down_w = down.flatten(2) if is_mxfp4 else down
+    gate_up_s, down_s = scales if scales is not None else (gate_up, down)  # unread unless MXFP4
     # Rows per program: the average expert gets one tile of rows.
-    block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // gate_up.shape[0]))))
+    block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // num_experts))))
     act = torch.empty(pairs, width // 2, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
-    for source, weight, bias, dest, n_cols, k_cols, is_gate_up in (
-            (x, gate_up, gate_up_bias, act, width, hidden, True),
-            (act, down, down_bias, out, hidden, width // 2, False)):
+    for source, weight, scale, bias, dest, n_cols, k_cols, is_gate_up in (
+            (x, gate_up_w, gate_up_s, gate_up_bias, act, width, hidden, True),
+            (act, down_w, down_s, down_bias, out, hidden, width // 2, False)):
         _expert_gemm_kernel[lambda meta, n=n_cols: (triton.cdiv(n, meta["BLOCK_N"]),
                                                      active.numel())](
-            source, weight, bias, dest, order, ends, active, weights, n_cols, k_cols, top_k,
-            alpha, limit, GATE_UP=is_gate_up, BLOCK_M=block_m)
+            source, weight, scale, bias, dest, order, ends, active, weights, n_cols, k_cols,
+            top_k, alpha, limit, GATE_UP=is_gate_up, MXFP4=is_mxfp4, BLOCK_M=block_m)
     return out
