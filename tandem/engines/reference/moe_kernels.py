@@ -15,9 +15,9 @@ work after the router's projection:
 
 With MXFP4 experts (quant.mxfp4.PackedExperts) the same kernel runs W4A16 (`MXFP4`): it reads
 each expert's packed 4-bit codes and their e8m0 scales (a quarter of the bf16 bytes, plus one
-byte per 32 values), decodes a tile in registers (each code's sign, exponent and mantissa bits
-placed into a float32, times 2^126 and the scale: exact), rounds it to the model dtype and runs
-tl.dot on it: no dequantized copy of a layer ever exists. Prefill (too many tokens for the
+byte per 32 values), decodes them in registers a group of 32 inputs at a time (each code's sign,
+exponent and mantissa bits placed into a float32, times 2^126 and the scale: exact), rounds
+them to the model dtype and runs tl.dot on them: no dequantized copy of a layer ever exists. Prefill (too many tokens for the
 routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
 every expert (those without rows return at once).
 
@@ -42,28 +42,34 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """float32 [BLOCK_N, BLOCK_K]: the weights of output rows `cols`, inputs [k0, k0 +
-        BLOCK_K), decoded from MXFP4 (k0 and k_cols multiples of 32). Byte j of a row holds
-        inputs 2j (low nibble) and 2j + 1 (high)."""
-        half_k = k_cols // 2
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        codes = tl.load(w_base + cols.to(tl.int64)[:, None] * half_k + kb[None, :],
-                        mask=n_mask[:, None] & (kb < half_k)[None, :], other=0).to(tl.uint32)
+    def _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols, n_mask, group,
+                         k_cols):
+        """acc + x[src, inputs of `group`] @ W[those inputs, cols], W read from MXFP4: the
+        group's 16 bytes of each output row (byte j holds inputs 2j, low nibble, and 2j + 1)
+        and its e8m0 scale, decoded to x's dtype; the even and the odd inputs are two dots, so
+        that no tile is interleaved or reshaped."""
+        groups = k_cols // 32
+        valid = group < groups
+        j = tl.arange(0, 16)
+        cols64 = cols.to(tl.int64)
+        codes = tl.load(w_base + cols64[None, :] * (k_cols // 2) + group * 16 + j[:, None],
+                        mask=n_mask[None, :] & valid, other=0).to(tl.uint32)  # [16, BLOCK_N]
+        exps = tl.load(s_base + cols64 * groups + group, mask=n_mask & valid,
+                       other=0).to(tl.uint32)
+        scale = (exps << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(e - 127); e = 0: 0
         # e2m1 s.ee.m -> float32 bits s at 31, ee.m at 24..22: 2^(ee - 127) * 1.m (ee > 0) or
         # the subnormal m * 2^-127; times 2^126 that is the e2m1 value in both cases.
-        low = ((codes & 0x8) << 28) | ((codes & 0x7) << 22)
-        high = ((codes & 0x80) << 24) | ((codes & 0x70) << 18)
-        bits = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
-        values = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-        groups = k_cols // 32
-        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        exps = tl.load(s_base + cols.to(tl.int64)[:, None] * groups + kg[None, :],
-                       mask=n_mask[:, None] & (kg < groups)[None, :], other=0).to(tl.uint32)
-        scales = (exps << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 reads as 0
-        values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scales[:, :, None]
-        return tl.reshape(values, [BLOCK_N, BLOCK_K])
+        low = (((codes & 0x8) << 28) | ((codes & 0x7) << 22)).to(tl.float32, bitcast=True)
+        high = (((codes & 0x80) << 24) | ((codes & 0x70) << 18)).to(tl.float32, bitcast=True)
+        dtype = x_ptr.dtype.element_ty
+        low = (low * 8.507059173023462e37 * scale).to(dtype)
+        high = (high * 8.507059173023462e37 * scale).to(dtype)
+        k = group * 32 + 2 * j
+        x_rows = x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :]
+        x_mask = r_mask[:, None] & valid
+        acc += tl.dot(tl.load(x_rows, mask=x_mask, other=0.0), low)
+        acc += tl.dot(tl.load(x_rows + 1, mask=x_mask, other=0.0), high)
+        return acc
 
     # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
     @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
@@ -150,15 +156,15 @@ if triton is not None:
                 src = rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, k_cols, BLOCK_K):
-                k = k0 + kk
-                k_mask = k < k_cols
-                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
-                            mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                if MXFP4:
-                    w_t = _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N,
-                                      BLOCK_K)
-                    acc += tl.dot(x, tl.trans(w_t.to(x.dtype)))
+                if MXFP4:  # BLOCK_K / 32 groups of 32 inputs
+                    for g in tl.static_range(BLOCK_K // 32):
+                        acc = _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols,
+                                               n_mask, k0 // 32 + g, k_cols)
                 else:
+                    k = k0 + kk
+                    k_mask = k < k_cols
+                    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                                mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                     w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
                                 mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                     acc += tl.dot(x, w)
