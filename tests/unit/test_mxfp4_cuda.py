@@ -56,6 +56,7 @@ def moe_pair(experts: int, top_k: int, hidden: int, inter: int, seed: int = 0
             blocks, scales = mxfp4.quantize(getattr(dense.experts, name).transpose(1, 2))
             getattr(p, name + "_blocks").copy_(blocks)
             getattr(p, name + "_scales").copy_(scales)
+            getattr(p, name + "_bias").copy_(getattr(dense.experts, name + "_bias"))
         gate_up, down = p.dequantized()
         dense.experts.gate_up_proj.copy_(gate_up)
         dense.experts.down_proj.copy_(down)
