@@ -35,8 +35,9 @@ from tandem.engines.reference import kernels
 
 triton = kernels.triton
 #: Most (pairs x experts) cells the one-program routing kernel holds (padded to powers of 2):
-#: 512 tokens of gpt-oss-20b (top 4 of 32), 128 of gpt-oss-120b (top 4 of 128).
-MAX_ROUTE_CELLS = 1 << 16
+#: 256 tokens of gpt-oss-20b (top 4 of 32), 64 of gpt-oss-120b (top 4 of 128). Twice that
+#: asks for 256 KiB of shared memory, past an H200's 227 KiB (seen at 512 tokens of 20b).
+MAX_ROUTE_CELLS = 1 << 15
 
 if triton is not None:
     import triton.language as tl
