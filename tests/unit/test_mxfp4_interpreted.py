@@ -36,9 +36,9 @@ from tandem.engines.reference.moe import GptOssMoeBlock
 from tandem.engines.reference.quant import mxfp4
 
 
-class FirstTile:  # as in test_reference_triton_interpreted.py: autotuning needs a GPU
-    def __init__(self, tuner):
-        self.tuner, self.config = tuner, tuner.configs[0]
+class OneTile:  # as test_reference_triton_interpreted.py's FirstTile: autotuning needs a GPU
+    def __init__(self, tuner, index):
+        self.tuner, self.config = tuner, tuner.configs[index]
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -47,7 +47,7 @@ class FirstTile:  # as in test_reference_triton_interpreted.py: autotuning needs
         return launch
 
 
-moe_kernels._expert_gemm_kernel = FirstTile(moe_kernels._expert_gemm_kernel)
+tuner = moe_kernels._expert_gemm_kernel
 torch.manual_seed(0)
 experts, top_k, hidden, inter = 8, 2, 96, 64
 dense = GptOssMoeBlock(hidden, inter, experts, top_k, 1.702, 7.0)
@@ -74,18 +74,21 @@ def rel(out, ref):
 
 
 with torch.no_grad():
-    for tokens in (1, 5, 40):
-        x = torch.randn(tokens, hidden)
-        ref = dense.forward_grouped(x)
-        slots = moe_kernels.experts(x, packed.router(x), *packed._kernel_weights(), top_k,
-                                    packed.alpha, packed.limit, packed._kernel_scales())
-        assert rel(slots.sum(1), ref) < 1e-5, (tokens, rel(slots.sum(1), ref))
-        assert rel(packed.forward_packed(x), ref) < 1e-5, tokens
-    # A nibble swap or a scale off by one would show far above float error:
-    x = torch.randn(3, hidden)
-    wrong = copy.deepcopy(packed)
-    wrong.experts.down_proj_scales.add_(1)
-    assert rel(wrong.forward_packed(x), dense.forward_grouped(x)) > 0.1
+    for index in (0, len(tuner.configs) // 2):  # the first group-decoding and tile-decoding
+        moe_kernels._expert_gemm_kernel = OneTile(tuner, index)
+        assert tuner.configs[index].kwargs["DECODE_TILE"] is (index > 0)
+        for tokens in (1, 5, 40):
+            x = torch.randn(tokens, hidden)
+            ref = dense.forward_grouped(x)
+            slots = moe_kernels.experts(x, packed.router(x), *packed._kernel_weights(), top_k,
+                                        packed.alpha, packed.limit, packed._kernel_scales())
+            assert rel(slots.sum(1), ref) < 1e-5, (tokens, rel(slots.sum(1), ref))
+            assert rel(packed.forward_packed(x), ref) < 1e-5, tokens
+        # A nibble swap or a scale off by one would show far above float error:
+        x = torch.randn(3, hidden)
+        wrong = copy.deepcopy(packed)
+        wrong.experts.down_proj_scales.add_(1)
+        assert rel(wrong.forward_packed(x), dense.forward_grouped(x)) > 0.1
 print("ok")
 '''
 

@@ -15,9 +15,11 @@ work after the router's projection:
 
 With MXFP4 experts (quant.mxfp4.PackedExperts) the same kernel runs W4A16 (`MXFP4`): it reads
 each expert's packed 4-bit codes and their e8m0 scales (a quarter of the bf16 bytes, plus one
-byte per 32 values), decodes them in registers a group of 32 inputs at a time (each code's sign,
-exponent and mantissa bits placed into a float32, times 2^126 and the scale: exact), rounds
-them to the model dtype and runs tl.dot on them: no dequantized copy of a layer ever exists. Prefill (too many tokens for the
+byte per 32 values), decodes them in registers (each code's sign, exponent and mantissa bits
+placed into a float32, times 2^126 and the scale: exact), rounds them to the model dtype and
+runs tl.dot on them: no dequantized copy of a layer ever exists. Two decode variants, both
+autotuned: a group of 32 inputs at a time (two K=16 dots, no tile reshaped) or a whole
+[BLOCK_N, BLOCK_K] tile (one dot). Prefill (too many tokens for the
 routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
 every expert (those without rows return at once).
 
@@ -72,6 +74,28 @@ if triton is not None:
         acc += tl.dot(tl.load(x_rows + 1, mask=x_mask, other=0.0), high)
         return acc
 
+    @triton.jit
+    def _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """float32 [BLOCK_N, BLOCK_K]: the weights of output rows `cols`, inputs [k0, k0 +
+        BLOCK_K), decoded from MXFP4 as _mxfp4_group_dot does (k0 a multiple of 32), the two
+        nibbles of a byte interleaved, each group of 32 times its scale."""
+        half_k = k_cols // 2
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        codes = tl.load(w_base + cols.to(tl.int64)[:, None] * half_k + kb[None, :],
+                        mask=n_mask[:, None] & (kb < half_k)[None, :], other=0).to(tl.uint32)
+        low = ((codes & 0x8) << 28) | ((codes & 0x7) << 22)
+        high = ((codes & 0x80) << 24) | ((codes & 0x70) << 18)
+        bits = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+        values = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+        groups = k_cols // 32
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exps = tl.load(s_base + cols.to(tl.int64)[:, None] * groups + kg[None, :],
+                       mask=n_mask[:, None] & (kg < groups)[None, :], other=0).to(tl.uint32)
+        scales = (exps << 23).to(tl.float32, bitcast=True)
+        values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scales[:, :, None]
+        return tl.reshape(values, [BLOCK_N, BLOCK_K])
+
     # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
     @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
     def _route_kernel(logits_ptr, weights_ptr, order_ptr, ends_ptr, active_ptr, num_tokens,
@@ -121,18 +145,30 @@ if triton is not None:
         tl.store(active_ptr + slot, tl.where(has_rows != 0, e, -1),
                  mask=e_mask & (slot < num_slots))
 
+    _TILES = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
+              (32, 256, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6), (128, 128, 8, 4),
+              (256, 64, 8, 4), (256, 32, 8, 6))
+
+    def _prune_decode(configs, nargs, **kwargs):  # type: ignore[no-untyped-def]
+        """bf16 weights: the configs of one decode variant (it does not apply to them)."""
+        if kwargs.get("MXFP4", nargs.get("MXFP4")):
+            return configs
+        return [c for c in configs if not c.kwargs["DECODE_TILE"]]
+
+    # MXFP4 weights decode either a group of 32 inputs at a time (two K=16 dots) or a whole
+    # [BLOCK_N, BLOCK_K] tile (one dot): autotuning measures both.
     @triton.autotune(configs=[
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-        for n, k, w, st in ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3),
-                            (128, 128, 4, 3), (32, 256, 4, 4), (128, 64, 8, 4),
-                            (64, 64, 4, 6), (128, 128, 8, 4), (256, 64, 8, 4),
-                            (256, 32, 8, 6))],
-        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"])
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE_TILE": tile}, num_warps=w,
+                      num_stages=st)
+        for tile in (False, True) for n, k, w, st in _TILES],
+        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"],
+        prune_configs_by={"early_config_prune": _prune_decode})
     @triton.jit
     def _expert_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr,
                             active_ptr, route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
                             GATE_UP: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DECODE_TILE: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.load(active_ptr + tl.program_id(1))
         end = tl.load(ends_ptr + expert, mask=expert >= 0, other=0)
@@ -157,7 +193,14 @@ if triton is not None:
                 src = rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, k_cols, BLOCK_K):
-                if MXFP4:  # BLOCK_K / 32 groups of 32 inputs
+                if MXFP4 and DECODE_TILE:
+                    k = k0 + kk
+                    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                                mask=r_mask[:, None] & (k < k_cols)[None, :], other=0.0)
+                    w_t = _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N,
+                                      BLOCK_K)
+                    acc += tl.dot(x, tl.trans(w_t.to(x.dtype)))
+                elif MXFP4:  # BLOCK_K / 32 groups of 32 inputs
                     for g in tl.static_range(BLOCK_K // 32):
                         acc = _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols,
                                                n_mask, k0 // 32 + g, k_cols)
