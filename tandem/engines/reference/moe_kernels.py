@@ -52,13 +52,14 @@ if triton is not None:
         and its e8m0 scale, decoded to x's dtype; the even and the odd inputs are two dots, so
         that no tile is interleaved or reshaped."""
         groups = k_cols // 32
-        valid = group < groups
         j = tl.arange(0, 16)
+        byte = group * 16 + j  # < k_cols / 2 exactly when the group exists
         cols64 = cols.to(tl.int64)
-        codes = tl.load(w_base + cols64[None, :] * (k_cols // 2) + group * 16 + j[:, None],
-                        mask=n_mask[None, :] & valid, other=0).to(tl.uint32)  # [16, BLOCK_N]
-        exps = tl.load(s_base + cols64 * groups + group, mask=n_mask & valid,
-                       other=0).to(tl.uint32)
+        codes = tl.load(w_base + cols64[None, :] * (k_cols // 2) + byte[:, None],
+                        mask=(byte < k_cols // 2)[:, None] & n_mask[None, :],
+                        other=0).to(tl.uint32)  # [16, BLOCK_N]
+        exps = tl.load(s_base + cols64 * groups + group,
+                       mask=n_mask & (cols * 0 + group < groups), other=0).to(tl.uint32)
         scale = (exps << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(e - 127); e = 0: 0
         # e2m1 s.ee.m -> float32 bits s at 31, ee.m at 24..22: 2^(ee - 127) * 1.m (ee > 0) or
         # the subnormal m * 2^-127; times 2^126 that is the e2m1 value in both cases.
@@ -69,7 +70,7 @@ if triton is not None:
         high = (high * 8.507059173023462e37 * scale).to(dtype)
         k = group * 32 + 2 * j
         x_rows = x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :]
-        x_mask = r_mask[:, None] & valid
+        x_mask = r_mask[:, None] & (k < k_cols)[None, :]
         acc += tl.dot(tl.load(x_rows, mask=x_mask, other=0.0), low)
         acc += tl.dot(tl.load(x_rows + 1, mask=x_mask, other=0.0), high)
         return acc
