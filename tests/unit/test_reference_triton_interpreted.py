@@ -18,6 +18,19 @@ pytest.importorskip("triton")
 
 SCRIPT = r'''
 import torch
+from triton.runtime import interpreter
+
+# NumPy 2.4 refuses int() of a one-element array, which the interpreter of Triton 3.6 takes
+# of a loaded scalar (a loop bound): read it with .item() instead.
+_patch_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+interpreter._patch_lang_tensor = _patch_lang_tensor
 from tandem.engines.reference import kernels, moe_kernels
 from tandem.engines.reference.attention import decode_attention
 from tandem.engines.reference.batch import AttentionMetadata

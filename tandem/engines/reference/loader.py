@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tandem.engines.reference import kernels
 from tandem.engines.reference.checkpoint_names import (
     base_name,
     is_unused,
@@ -31,6 +32,7 @@ from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.quant.fp8 import fp8_gemm_supported, swap_linears
 from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
 from tandem.engines.reference.quant.kv_scales import fold_kv_scales, read_kv_scales
+from tandem.engines.reference.quant.mxfp4 import draw_packed, pack_experts
 from tandem.engines.reference.quant.reader import (
     QuantReader,
     is_scale,
@@ -111,7 +113,11 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
                                            if spec.base_model else same_name)
     if spec.family == "mixtral":
         rename = then_mixtral_name(rename)
-    if scheme is not None and scheme.method == "mxfp4":
+    # MXFP4 experts stay packed where the W4A16 kernel runs (CUDA, half precision); elsewhere
+    # the reader dequantizes them into the float experts.
+    packed = (scheme is not None and scheme.method == "mxfp4" and spec.moe_kind == "gpt_oss"
+              and kernels.serves(device, dtype))
+    if scheme is not None and scheme.method == "mxfp4" and not packed:
         rename = without_blocks(rename)
     names: set[str | None] = set()
     if load_format != "dummy":
@@ -132,7 +138,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
     spec = shard.local_spec(spec, tp.size)
     with torch.device("meta"):
         model = DecoderModel(spec, tp, whole.vocab_size)
-    model = model.to(dtype)
+        if packed:
+            pack_experts(model)
+    model = model.to(dtype)  # floating-point parameters only: packed experts stay uint8
     fp8 = scheme is not None and scheme.is_fp8 and (
         fp8_gemm_supported(device) if fp8_layers is None else fp8_layers)
     if fp8:
@@ -156,7 +164,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None, device:
             n is not None and n.endswith(".experts.gate_up_proj") for n in names)
         if spec.moe_kind == "gpt_oss" and (scheme is None or scheme.method != "mxfp4"):
             _refuse_mxfp4(names)
-        reader = QuantReader(scheme, read_scales(files, rename, device)) if scheme else None
+        reader = (QuantReader(scheme, read_scales(files, rename, device))
+                  if scheme and not packed else None)  # packed: every tensor loads as it is
         load_safetensors(model, _parameter_map(model, stacked), files, device, rename, ignored,
                          spec.architecture, shards.cut, reader)
         if kv_scales and (found := read_kv_scales(files)):
@@ -381,6 +390,9 @@ def init_dummy(model: torch.nn.Module, seed: int) -> None:
             scales.copy_(scale)
             continue
         if kind == "weight_scale":
+            continue
+        if param.dtype == torch.uint8:  # MXFP4 experts kept packed
+            draw_packed(param, name, DUMMY_STD, generator)
             continue
         if "norm" in module.rpartition(".")[2]:  # RMSNorm and LayerNorm: weight 1, bias 0
             param.fill_(1.0 if kind == "weight" else 0.0)

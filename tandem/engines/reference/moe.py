@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engines.reference import kernels, moe_kernels
+from tandem.engines.reference.quant import mxfp4
 
 
 def run_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -170,7 +171,9 @@ class GptOssMoeBlock(nn.Module):
     operations as transformers' default "grouped_mm" experts, so float32 results match it
     bit for bit. On CUDA in half precision, decode-sized batches take Triton kernels instead
     (moe_kernels: routing, sorting and both GEMMs with their epilogues in three launches, no
-    host sync), which round the same way but sum in another order."""
+    host sync), which round the same way but sum in another order. With MXFP4 experts
+    (quant.mxfp4.PackedExperts, CUDA only) every batch takes those GEMMs, W4A16
+    (`forward_packed` past the routing kernel's size)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  alpha: float, limit: float) -> None:
@@ -180,7 +183,9 @@ class GptOssMoeBlock(nn.Module):
         self.alpha = alpha
         self.limit = limit
         self.router = nn.Linear(hidden_size, num_experts, bias=True)
-        self.experts = BiasedExperts(num_experts, hidden_size, intermediate_size)
+        # quant.mxfp4.pack_experts swaps in PackedExperts for MXFP4 checkpoints on CUDA
+        self.experts: BiasedExperts | mxfp4.PackedExperts = BiasedExperts(
+            num_experts, hidden_size, intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, K] int64, routing weights [T, K] in x's dtype) for tokens x [T, H]."""
@@ -195,15 +200,40 @@ class GptOssMoeBlock(nn.Module):
     def forward_slots(self, x: torch.Tensor) -> torch.Tensor:
         """[T, K, H]: each (token, slot)'s weighted expert output, through the Triton kernels
         (moe_kernels; only where `runs_fused`). Their sum over K is `forward`'s output."""
-        experts = self.experts
-        return moe_kernels.experts(x, kernels.linear(x, self.router), experts.gate_up_proj,
-                                   experts.gate_up_proj_bias, experts.down_proj,
-                                   experts.down_proj_bias, self.top_k, self.alpha, self.limit)
+        return moe_kernels.experts(x, kernels.linear(x, self.router), *self._kernel_weights(),
+                                   self.top_k, self.alpha, self.limit,
+                                   self._kernel_scales())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_fused(x):
             return self.forward_slots(x).sum(dim=1)
+        if isinstance(self.experts, mxfp4.PackedExperts):
+            return self.forward_packed(x)
         return self.forward_grouped(x)
+
+    def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with MXFP4 experts, for any number of tokens (prefill): torch's routing
+        and sort, then moe_kernels' W4A16 grouped GEMMs (CUDA, half precision only)."""
+        expert_ids, weights = self.route(x)
+        order, ends, active = moe_kernels.sort_by_expert(expert_ids, self.num_experts)
+        slots = moe_kernels.sorted_experts(x, weights.reshape(-1), order, ends, active,
+                                           *self._kernel_weights(), self.top_k, self.alpha,
+                                           self.limit, self._kernel_scales())
+        return slots.sum(dim=1)
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up, its bias, down, its bias) as moe_kernels takes them: bf16 stacks, or
+        MXFP4 blocks."""
+        e = self.experts
+        if isinstance(e, mxfp4.PackedExperts):
+            return e.gate_up_proj_blocks, e.gate_up_proj_bias, e.down_proj_blocks, e.down_proj_bias
+        return e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias
+
+    def _kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        e = self.experts
+        if isinstance(e, mxfp4.PackedExperts):
+            return e.gate_up_proj_scales, e.down_proj_scales
+        return None
 
     def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` through torch: routing, an on-device sort by expert, two grouped GEMMs
@@ -212,6 +242,7 @@ class GptOssMoeBlock(nn.Module):
         num_tokens, hidden_size = x.shape
         expert_ids, weights = self.route(x)
         experts = self.experts
+        assert isinstance(experts, BiasedExperts), "MXFP4 experts run forward_packed"
         flat_ids = expert_ids.reshape(-1)
         sorted_ids, order = torch.sort(flat_ids, stable=True)
         # Each expert's group ends after the last slot with an id <= its own (no host sync).

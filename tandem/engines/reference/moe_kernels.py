@@ -13,6 +13,16 @@ work after the router's projection:
   and the routing weight, writing each row back at its (token, slot) place, so that the sum
   over slots is one more read (kernels.add_rms_norm sums them with the residual).
 
+With MXFP4 experts (quant.mxfp4.PackedExperts) the same kernel runs W4A16 (`MXFP4`): it reads
+each expert's packed 4-bit codes and their e8m0 scales (a quarter of the bf16 bytes, plus one
+byte per 32 values), decodes them in registers (each code's sign, exponent and mantissa bits
+placed into a float32, times 2^126 and the scale: exact), rounds them to the model dtype and
+runs tl.dot on them: no dequantized copy of a layer ever exists. Two decode variants, both
+autotuned: a group of 32 inputs at a time (two K=16 dots, no tile reshaped) or a whole
+[BLOCK_N, BLOCK_K] tile (one dot). Prefill (too many tokens for the
+routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
+every expert (those without rows return at once).
+
 Everything stays on the device and every shape depends only on the token count: no host sync,
 so a CUDA graph can hold it. Rounding follows moe.GptOssMoeBlock's torch path op by op (bf16
 after the GEMM, after each bias add and after each step of the activation); the GEMMs
@@ -27,11 +37,65 @@ from tandem.engines.reference import kernels
 
 triton = kernels.triton
 #: Most (pairs x experts) cells the one-program routing kernel holds (padded to powers of 2):
-#: 512 tokens of gpt-oss-20b (top 4 of 32), 128 of gpt-oss-120b (top 4 of 128).
-MAX_ROUTE_CELLS = 1 << 16
+#: 256 tokens of gpt-oss-20b (top 4 of 32), 64 of gpt-oss-120b (top 4 of 128). Twice that
+#: asks for 256 KiB of shared memory, past an H200's 227 KiB (seen at 512 tokens of 20b).
+MAX_ROUTE_CELLS = 1 << 15
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols, n_mask, group,
+                         k_cols):
+        """acc + x[src, inputs of `group`] @ W[those inputs, cols], W read from MXFP4: the
+        group's 16 bytes of each output row (byte j holds inputs 2j, low nibble, and 2j + 1)
+        and its e8m0 scale, decoded to x's dtype; the even and the odd inputs are two dots, so
+        that no tile is interleaved or reshaped."""
+        groups = k_cols // 32
+        j = tl.arange(0, 16)
+        byte = group * 16 + j  # < k_cols / 2 exactly when the group exists
+        cols64 = cols.to(tl.int64)
+        codes = tl.load(w_base + cols64[None, :] * (k_cols // 2) + byte[:, None],
+                        mask=(byte < k_cols // 2)[:, None] & n_mask[None, :],
+                        other=0).to(tl.uint32)  # [16, BLOCK_N]
+        exps = tl.load(s_base + cols64 * groups + group,
+                       mask=n_mask & (cols * 0 + group < groups), other=0).to(tl.uint32)
+        scale = (exps << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(e - 127); e = 0: 0
+        # e2m1 s.ee.m -> float32 bits s at 31, ee.m at 24..22: 2^(ee - 127) * 1.m (ee > 0) or
+        # the subnormal m * 2^-127; times 2^126 that is the e2m1 value in both cases.
+        low = (((codes & 0x8) << 28) | ((codes & 0x7) << 22)).to(tl.float32, bitcast=True)
+        high = (((codes & 0x80) << 24) | ((codes & 0x70) << 18)).to(tl.float32, bitcast=True)
+        dtype = x_ptr.dtype.element_ty
+        low = (low * 8.507059173023462e37 * scale).to(dtype)
+        high = (high * 8.507059173023462e37 * scale).to(dtype)
+        k = group * 32 + 2 * j
+        x_rows = x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :]
+        x_mask = r_mask[:, None] & (k < k_cols)[None, :]
+        acc += tl.dot(tl.load(x_rows, mask=x_mask, other=0.0), low)
+        acc += tl.dot(tl.load(x_rows + 1, mask=x_mask, other=0.0), high)
+        return acc
+
+    @triton.jit
+    def _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """float32 [BLOCK_N, BLOCK_K]: the weights of output rows `cols`, inputs [k0, k0 +
+        BLOCK_K), decoded from MXFP4 as _mxfp4_group_dot does (k0 a multiple of 32), the two
+        nibbles of a byte interleaved, each group of 32 times its scale."""
+        half_k = k_cols // 2
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        codes = tl.load(w_base + cols.to(tl.int64)[:, None] * half_k + kb[None, :],
+                        mask=n_mask[:, None] & (kb < half_k)[None, :], other=0).to(tl.uint32)
+        low = ((codes & 0x8) << 28) | ((codes & 0x7) << 22)
+        high = ((codes & 0x80) << 24) | ((codes & 0x70) << 18)
+        bits = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+        values = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+        groups = k_cols // 32
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exps = tl.load(s_base + cols.to(tl.int64)[:, None] * groups + kg[None, :],
+                       mask=n_mask[:, None] & (kg < groups)[None, :], other=0).to(tl.uint32)
+        scales = (exps << 23).to(tl.float32, bitcast=True)
+        values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scales[:, :, None]
+        return tl.reshape(values, [BLOCK_N, BLOCK_K])
 
     # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
     @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
@@ -82,18 +146,30 @@ if triton is not None:
         tl.store(active_ptr + slot, tl.where(has_rows != 0, e, -1),
                  mask=e_mask & (slot < num_slots))
 
+    _TILES = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
+              (32, 256, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6), (128, 128, 8, 4),
+              (256, 64, 8, 4), (256, 32, 8, 6))
+
+    def _prune_decode(configs, nargs, **kwargs):  # type: ignore[no-untyped-def]
+        """bf16 weights: the configs of one decode variant (it does not apply to them)."""
+        if kwargs.get("MXFP4", nargs.get("MXFP4")):
+            return configs
+        return [c for c in configs if not c.kwargs["DECODE_TILE"]]
+
+    # MXFP4 weights decode either a group of 32 inputs at a time (two K=16 dots) or a whole
+    # [BLOCK_N, BLOCK_K] tile (one dot): autotuning measures both.
     @triton.autotune(configs=[
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-        for n, k, w, st in ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3),
-                            (128, 128, 4, 3), (32, 256, 4, 4), (128, 64, 8, 4),
-                            (64, 64, 4, 6), (128, 128, 8, 4), (256, 64, 8, 4),
-                            (256, 32, 8, 6))],
-        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP"])
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE_TILE": tile}, num_warps=w,
+                      num_stages=st)
+        for tile in (False, True) for n, k, w, st in _TILES],
+        key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"],
+        prune_configs_by={"early_config_prune": _prune_decode})
     @triton.jit
-    def _expert_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr, active_ptr,
-                            route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
-                            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, order_ptr, ends_ptr,
+                            active_ptr, route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
+                            GATE_UP: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DECODE_TILE: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.load(active_ptr + tl.program_id(1))
         end = tl.load(ends_ptr + expert, mask=expert >= 0, other=0)
@@ -102,7 +178,11 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = cols < n_cols
         kk = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert.to(tl.int64) * k_cols * n_cols
+        if MXFP4:  # [E, n_cols, k_cols / 2] codes, [E, n_cols, k_cols / 32] scales
+            w_base = w_ptr + expert.to(tl.int64) * n_cols * (k_cols // 2)
+            s_base = scale_ptr + expert.to(tl.int64) * n_cols * (k_cols // 32)
+        else:
+            w_base = w_ptr + expert.to(tl.int64) * k_cols * n_cols
         for m0 in range(start, end, BLOCK_M):  # no trip for an inactive program (-1)
             rows = m0 + tl.arange(0, BLOCK_M)
             r_mask = rows < end
@@ -114,13 +194,25 @@ if triton is not None:
                 src = rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, k_cols, BLOCK_K):
-                k = k0 + kk
-                k_mask = k < k_cols
-                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
-                            mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
-                            mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc += tl.dot(x, w)
+                if MXFP4 and DECODE_TILE:
+                    k = k0 + kk
+                    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                                mask=r_mask[:, None] & (k < k_cols)[None, :], other=0.0)
+                    w_t = _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N,
+                                      BLOCK_K)
+                    acc += tl.dot(x, tl.trans(w_t.to(x.dtype)))
+                elif MXFP4:  # BLOCK_K / 32 groups of 32 inputs
+                    for g in tl.static_range(BLOCK_K // 32):
+                        acc = _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols,
+                                               n_mask, k0 // 32 + g, k_cols)
+                else:
+                    k = k0 + kk
+                    k_mask = k < k_cols
+                    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                                mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                    w = tl.load(w_base + k.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                                mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    acc += tl.dot(x, w)
             bias = tl.load(bias_ptr + expert.to(tl.int64) * n_cols + cols, mask=n_mask,
                            other=0.0)
             y = (acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]).to(dtype)
@@ -182,27 +274,56 @@ def route(logits: torch.Tensor, top_k: int
     return weights, order, ends, active
 
 
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route`'s (order, ends, active) for any number of tokens, through torch (an on-device
+    sort, no host sync) from expert ids [T, K]; `active` lists every expert."""
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)
+    all_ids = torch.arange(num_experts, device=expert_ids.device)
+    ends = torch.searchsorted(sorted_ids, all_ids, right=True).to(torch.int32)
+    return order.to(torch.int32), ends, all_ids.to(torch.int32)
+
+
 def experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
             gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor,
-            top_k: int, alpha: float, limit: float) -> torch.Tensor:
+            top_k: int, alpha: float, limit: float,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """gpt-oss's routed experts for tokens x [T, H], router logits [T, E]: [T, K, H], each
     slot's down(clamped_swiglu(gate_up(x))) with biases, times its routing weight (sum over K
     for the layer's output). Weights in moe.BiasedExperts' layout: gate_up [E, H, 2I] with
-    interleaved gate/up columns, down [E, I, H]."""
+    interleaved gate/up columns, down [E, I, H]; or, with `scales` (gate_up's, down's), the
+    MXFP4 blocks and scales of quant.mxfp4.PackedExperts."""
+    weights, order, ends, active = route(logits.contiguous(), top_k)
+    return sorted_experts(x, weights, order, ends, active, gate_up, gate_up_bias, down,
+                          down_bias, top_k, alpha, limit, scales)
+
+
+def sorted_experts(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                   ends: torch.Tensor, active: torch.Tensor, gate_up: torch.Tensor,
+                   gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor,
+                   top_k: int, alpha: float, limit: float,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`experts` past the routing: weights [T * K] and (order, ends, active) as `route` or
+    `sort_by_expert` give them."""
     num_tokens, hidden = x.shape
     x = x.contiguous()
-    weights, order, ends, active = route(logits.contiguous(), top_k)
     pairs = num_tokens * top_k
-    width = gate_up.shape[2]
+    num_experts = gate_up.shape[0]
+    is_mxfp4 = scales is not None
+    # Packed: [E, rows, cols / 32, 16] -> [E, rows, cols / 2] (a view, as the file holds it)
+    width = gate_up.shape[1] if is_mxfp4 else gate_up.shape[2]
+    gate_up_w = gate_up.flatten(2) if is_mxfp4 else gate_up
+    down_w = down.flatten(2) if is_mxfp4 else down
+    gate_up_s, down_s = scales if scales is not None else (gate_up, down)  # unread unless MXFP4
     # Rows per program: the average expert gets one tile of rows.
-    block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // gate_up.shape[0]))))
+    block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // num_experts))))
     act = torch.empty(pairs, width // 2, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
-    for source, weight, bias, dest, n_cols, k_cols, is_gate_up in (
-            (x, gate_up, gate_up_bias, act, width, hidden, True),
-            (act, down, down_bias, out, hidden, width // 2, False)):
+    for source, weight, scale, bias, dest, n_cols, k_cols, is_gate_up in (
+            (x, gate_up_w, gate_up_s, gate_up_bias, act, width, hidden, True),
+            (act, down_w, down_s, down_bias, out, hidden, width // 2, False)):
         _expert_gemm_kernel[lambda meta, n=n_cols: (triton.cdiv(n, meta["BLOCK_N"]),
                                                      active.numel())](
-            source, weight, bias, dest, order, ends, active, weights, n_cols, k_cols, top_k,
-            alpha, limit, GATE_UP=is_gate_up, BLOCK_M=block_m)
+            source, weight, scale, bias, dest, order, ends, active, weights, n_cols, k_cols,
+            top_k, alpha, limit, GATE_UP=is_gate_up, MXFP4=is_mxfp4, BLOCK_M=block_m)
     return out

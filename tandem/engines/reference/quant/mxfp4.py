@@ -4,12 +4,19 @@ byte (low nibble first), in blocks of 32 that share one e8m0 scale (a power of t
 and `<name>_scales` uint8 [..., rows, cols / 32]; gpt-oss's model holds each expert
 projection transposed ([cols, rows]: input first), as transformers does.
 
-The experts are dequantized while loading (to the model dtype, exactly: every e2m1 value times
-a power of two is a bf16 value); a W4A16 kernel that keeps them 4-bit is not built yet.
+On CUDA in half precision the experts stay packed as the checkpoint ships them
+(`PackedExperts`, swapped in by `pack_experts`; the layout is already what the kernel reads
+best: each output row's 4-bit values contiguous along the input dimension) and run through the
+W4A16 grouped GEMM of moe_kernels, which dequantizes tiles in registers. Elsewhere (the CPU,
+float32) they are dequantized while loading (to the model dtype, exactly: every e2m1 value
+times a power of two is a bf16 value).
 """
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import nn
 
 from tandem.errors import InvalidRequest
 
@@ -51,3 +58,65 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = codes.reshape(*lead, rows, cols // BLOCK, BLOCK // 2, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
     return blocks, (exponents + 127).to(torch.uint8)
+
+
+#: Root mean square of the 16 e2m1 values (drawn uniformly), for dummy weights.
+E2M1_RMS = math.sqrt(sum(v * v for v in E2M1) / len(E2M1))
+
+
+class PackedExperts(nn.Module):
+    """gpt-oss's E experts as the checkpoint ships them (parameter names included, so that
+    the files load as they are): `gate_up_proj_blocks` uint8 [E, 2I, H / 32, 16] and
+    `gate_up_proj_scales` uint8 [E, 2I, H / 32] (rows: the output features, gate and up
+    interleaved as in moe.BiasedExperts), `down_proj_blocks` [E, H, I / 32, 16] and
+    `down_proj_scales` [E, H, I / 32]; the biases in the model dtype, as moe.BiasedExperts'."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        for name, size in (("hidden_size", hidden_size),
+                           ("intermediate_size", intermediate_size)):
+            if size % BLOCK:
+                raise InvalidRequest(f"MXFP4 experts need a {name} that is a multiple of "
+                                     f"{BLOCK}, got {size}", param="model")
+        width = 2 * intermediate_size
+
+        def packed(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+        self.gate_up_proj_blocks = packed(num_experts, width, hidden_size // BLOCK, BLOCK // 2)
+        self.gate_up_proj_scales = packed(num_experts, width, hidden_size // BLOCK)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, width))
+        self.down_proj_blocks = packed(num_experts, hidden_size, intermediate_size // BLOCK,
+                                       BLOCK // 2)
+        self.down_proj_scales = packed(num_experts, hidden_size, intermediate_size // BLOCK)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, H, 2I], down [E, I, H]) in float32, moe.BiasedExperts' layout (tests
+        and references)."""
+        return (dequantize(self.gate_up_proj_blocks, self.gate_up_proj_scales, "gate_up_proj"),
+                dequantize(self.down_proj_blocks, self.down_proj_scales, "down_proj"))
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Replace the experts (moe.BiasedExperts) of every gpt-oss MoE block of `model` by
+    PackedExperts of the same shape (on `model`'s device: call it on the meta device, before
+    the weights are loaded). Returns how many blocks it changed."""
+    from tandem.engines.reference.moe import BiasedExperts, GptOssMoeBlock
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GptOssMoeBlock) and isinstance(module.experts, BiasedExperts):
+            num_experts, hidden_size, width = module.experts.gate_up_proj.shape
+            module.experts = PackedExperts(num_experts, hidden_size, width // 2)
+            count += 1
+    return count
+
+
+def draw_packed(param: torch.Tensor, name: str, std: float,
+                generator: torch.Generator) -> None:
+    """Dummy MXFP4 weights of about `std` standard deviation: uniform random codes (blocks),
+    scales of 2^round(log2(std / E2M1_RMS))."""
+    if name.endswith(SCALES_SUFFIX):
+        param.fill_(127 + round(math.log2(std / E2M1_RMS)))
+    else:
+        param.random_(0, 256, generator=generator)
