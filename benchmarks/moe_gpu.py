@@ -552,6 +552,19 @@ def print_tables(fig: dict, checks: dict, bw: float, peak: float, device: str) -
           f"{rate / H100_DENSE_BF16:.0%} |")
 
 
+def figure_log(path: pathlib.Path) -> tuple[dict, Callable[[str, object], None]]:
+    """(figures, log): log(what, value) prints a figure, keeps it in `figures` and rewrites
+    `path` (JSON) with all of them, so a run cut short keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figures: dict = {}
+
+    def log(what: str, value: object) -> None:
+        print(f"{what}: {value}", flush=True)
+        figures[what] = value
+        path.write_text(json.dumps(figures, indent=1, default=str))
+    return figures, log
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -562,13 +575,7 @@ async def main() -> None:
     device = "cpu" if args.small else "cuda"
     shape = SMALL if args.small else GPT_OSS_20B
     out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    figures: dict = {}
-
-    def log(what: str, value: object) -> None:
-        print(f"{what}: {value}", flush=True)
-        figures[what] = value
-        (out_dir / "moe_gpu.json").write_text(json.dumps(figures, indent=1, default=str))
+    figures, log = figure_log(out_dir / "moe_gpu.json")
 
     checks: dict = {}
     if device == "cuda":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import math
 import os
 import pathlib
@@ -44,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks.moe_gpu import (  # noqa: E402
     GPT_OSS_20B,
     SMALL,
+    figure_log,
     graph_replay_ms,
     profile_step,
     routed_experts,
@@ -60,7 +60,7 @@ from benchmarks.reference_gpu import (  # noqa: E402
 from tandem.engines.args import EngineArgs  # noqa: E402
 from tandem.engines.reference.engine import create_reference_engine  # noqa: E402
 from tandem.engines.reference.loader import DUMMY_STD  # noqa: E402
-from tandem.engines.reference.moe import GptOssMoeBlock  # noqa: E402
+from tandem.engines.reference.moe import GptOssMoeBlock, pack_experts  # noqa: E402
 from tandem.engines.reference.quant import mxfp4  # noqa: E402
 
 GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
@@ -85,7 +85,7 @@ def moe_block(shape: dict, packed: bool) -> GptOssMoeBlock:
                                shape["num_local_experts"], shape["num_experts_per_tok"], 1.702,
                                shape["swiglu_limit"])
         if packed:
-            mxfp4.pack_experts(block)
+            pack_experts(block)
     block = block.to(DT).to_empty(device="cuda").requires_grad_(False)
     generator = torch.Generator("cuda").manual_seed(0)
     for name, param in block.named_parameters():
@@ -221,13 +221,7 @@ async def main() -> None:
     shapes = {"20b": SMALL, "120b": SMALL_120B} if args.small else {"20b": GPT_OSS_20B,
                                                                     "120b": GPT_OSS_120B}
     out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    figures: dict = {}
-
-    def log(what: str, value: object) -> None:
-        print(f"{what}: {value}", flush=True)
-        figures[what] = value
-        (out_dir / "mxfp4_gpu.json").write_text(json.dumps(figures, indent=1, default=str))
+    figures, log = figure_log(out_dir / "mxfp4_gpu.json")
 
     if device == "cuda":
         log("bandwidth", {"copy_tb_s": copy_bandwidth() / 1e12})

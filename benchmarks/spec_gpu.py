@@ -167,6 +167,29 @@ async def calibrated_oracle(engine: ReferenceEngine, prompts: list[list[int]],
     return OracleProposer({tuple(p): o for p, o in zip(prompts, outs)})
 
 
+async def ngram_on_copy_prompt(engine: ReferenceEngine, seed: list[int], tokens: int,
+                               label: str, rows: list[tuple[str, ...]]) -> dict[str, float]:
+    """One stream on a copy-heavy prompt (seed, the target's continuation of it, seed again),
+    plain and with n-gram k = 4: appends the two table rows, returns the figures."""
+    engine.speculation = None
+    (cont,), _, _ = await run(engine, [seed], tokens)
+    copy_prompt = [seed + cont + seed]
+    (base,), secs, _ = await run(engine, copy_prompt, tokens)
+    base_tps = (tokens - 1) / secs
+    engine.speculation = speculation("ngram", 4)
+    (out,), secs, steps = await run(engine, copy_prompt, tokens)
+    passes, accepted = counters(engine)
+    tps = (tokens - 1) / secs
+    rows.append((f"1 stream, {label}copy prompt, plain", f"{base_tps:,.0f}", "1.00", "-", "-",
+                 "-"))
+    rows.append((f"1 stream, {label}copy prompt, n-gram k=4", f"{tps:,.0f}",
+                 f"{tps / base_tps:.2f}", f"{1 + accepted / max(passes, 1):.2f}",
+                 f"{1000 * secs / steps:.2f}",
+                 f"{sum(a == b for a, b in zip(out, base)) / len(base):.0%} same tokens"))
+    return {"tokens_per_s": tps, "plain_tokens_per_s": base_tps, "speedup": tps / base_tps,
+            "mean_accepted": 1 + accepted / max(passes, 1)}
+
+
 def counters(engine: ReferenceEngine) -> tuple[int, int]:
     spec = engine.speculation
     return (spec.counters.verify_passes, spec.counters.accepted_tokens) if spec else (0, 0)
@@ -234,24 +257,8 @@ async def main() -> None:
                                        "mean_accepted": 1 + accepted / max(passes, 1),
                                        "verify_ms": verify_ms, "same_tokens": same, **parts}
         # 3. n-gram on a copy-heavy prompt: the answer can copy the continuation it holds.
-        engine.speculation = None
         seed = prompts_of(1, ctx // 2, vocab, salt=2)[0]
-        (cont,), _, _ = await run(engine, [seed], tokens)
-        copy_prompt = [seed + cont + seed]
-        (base,), secs, _ = await run(engine, copy_prompt, tokens)
-        base_tps = (tokens - 1) / secs
-        engine.speculation = speculation("ngram", 4)
-        (out,), secs, steps = await run(engine, copy_prompt, tokens)
-        passes, accepted = counters(engine)
-        tps = (tokens - 1) / secs
-        rows.append(("1 stream, copy prompt, plain", f"{base_tps:,.0f}", "1.00", "-", "-", "-"))
-        rows.append(("1 stream, copy prompt, n-gram k=4", f"{tps:,.0f}",
-                     f"{tps / base_tps:.2f}", f"{1 + accepted / max(passes, 1):.2f}",
-                     f"{1000 * secs / steps:.2f}",
-                     f"{sum(a == b for a, b in zip(out, base)) / len(base):.0%} same tokens"))
-        figures["ngram_copy"] = {"tokens_per_s": tps, "plain_tokens_per_s": base_tps,
-                                 "speedup": tps / base_tps,
-                                 "mean_accepted": 1 + accepted / max(passes, 1)}
+        figures["ngram_copy"] = await ngram_on_copy_prompt(engine, seed, tokens, "", rows)
         # 4. batch sweep, oracle k = 4 against plain.
         for batch in ((1, 2, 4) if opts.small else (2, 4, 8, 16, 32, 64)):
             prompts = prompts_of(batch, ctx, vocab, salt=3 + batch)
@@ -287,24 +294,8 @@ async def main() -> None:
         for layer in engine.model.layers:
             layer.self_attn.o_proj.weight.data.mul_(COPYING_DAMP)
             layer.mlp.down_proj.weight.data.mul_(COPYING_DAMP)
-        engine.speculation = None
-        (cont,), _, _ = await run(engine, [seed], tokens)
-        copy_prompt = [seed + cont + seed]
-        (base,), secs, _ = await run(engine, copy_prompt, tokens)
-        base_tps = (tokens - 1) / secs
-        engine.speculation = speculation("ngram", 4)
-        (out,), secs, steps = await run(engine, copy_prompt, tokens)
-        passes, accepted = counters(engine)
-        tps = (tokens - 1) / secs
-        rows.append(("1 stream, copying target, copy prompt, plain", f"{base_tps:,.0f}",
-                     "1.00", "-", "-", "-"))
-        rows.append(("1 stream, copying target, copy prompt, n-gram k=4", f"{tps:,.0f}",
-                     f"{tps / base_tps:.2f}", f"{1 + accepted / max(passes, 1):.2f}",
-                     f"{1000 * secs / steps:.2f}",
-                     f"{sum(a == b for a, b in zip(out, base)) / len(base):.0%} same tokens"))
-        figures["ngram_copying_target"] = {"tokens_per_s": tps, "plain_tokens_per_s": base_tps,
-                                           "speedup": tps / base_tps,
-                                           "mean_accepted": 1 + accepted / max(passes, 1)}
+        figures["ngram_copying_target"] = await ngram_on_copy_prompt(
+            engine, seed, tokens, "copying target, ", rows)
         await engine.close()
     header = ("run", "tokens/s", "vs plain", "mean accepted", "ms/step", "note")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -21,7 +21,7 @@ from tandem.engines.reference import kernels
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.engine import create_reference_engine
 from tandem.engines.reference.loader import load_model
-from tandem.engines.reference.moe import BiasedExperts, GptOssMoeBlock
+from tandem.engines.reference.moe import BiasedExperts, GptOssMoeBlock, pack_experts
 from tandem.engines.reference.quant import mxfp4
 from tandem.engines.types import EngineRequest, SamplingParams
 from tandem.model.quantize import write_mxfp4_checkpoint
@@ -48,7 +48,7 @@ def moe_pair(experts: int, top_k: int, hidden: int, inter: int, seed: int = 0
         for param in dense.parameters():
             param.copy_(0.05 * torch.randn(param.shape, generator=generator))
     packed = copy.deepcopy(dense)
-    mxfp4.pack_experts(packed)
+    pack_experts(packed)
     p = packed.experts
     assert isinstance(p, mxfp4.PackedExperts) and isinstance(dense.experts, BiasedExperts)
     with torch.no_grad():

@@ -6,45 +6,18 @@ the same block with its experts dequantized (float32, where the kernel's only di
 the order of its sums). test_mxfp4_cuda.py checks the compiled kernel in bfloat16."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.unit.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
 SCRIPT = r'''
 import copy
 
-import torch
-from triton.runtime import interpreter
-
-# NumPy 2.4 refuses int() of a one-element array, which the interpreter of Triton 3.6 takes
-# of a loaded scalar (a loop bound): read it with .item() instead.
-_patch_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
 from tandem.engines.reference import moe_kernels
-from tandem.engines.reference.moe import GptOssMoeBlock
+from tandem.engines.reference.moe import GptOssMoeBlock, pack_experts
 from tandem.engines.reference.quant import mxfp4
-
-
-class OneTile:  # as test_reference_triton_interpreted.py's FirstTile: autotuning needs a GPU
-    def __init__(self, tuner, index):
-        self.tuner, self.config = tuner, tuner.configs[index]
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            meta = self.config.kwargs
-            return self.tuner.fn[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
-        return launch
 
 
 tuner = moe_kernels._expert_gemm_kernel
@@ -55,7 +28,7 @@ with torch.no_grad():
     for param in dense.parameters():
         param.copy_(0.3 * torch.randn(param.shape))
 packed = copy.deepcopy(dense)
-mxfp4.pack_experts(packed)
+pack_experts(packed)
 e, p = dense.experts, packed.experts
 with torch.no_grad():
     for name in ("gate_up_proj", "down_proj"):
@@ -69,13 +42,9 @@ with torch.no_grad():
     assert (p.gate_up_proj_scales.float().std() > 0), "scales must vary for the test to bite"
 
 
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 with torch.no_grad():
     for index in (0, len(tuner.configs) // 2):  # the first group-decoding and tile-decoding
-        moe_kernels._expert_gemm_kernel = OneTile(tuner, index)
+        moe_kernels._expert_gemm_kernel = Tile(tuner, index)
         assert tuner.configs[index].kwargs["DECODE_TILE"] is (index > 0)
         for tokens in (1, 5, 40):
             x = torch.randn(tokens, hidden)
@@ -94,7 +63,4 @@ print("ok")
 
 
 def test_mxfp4_expert_gemms_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_interpreted(SCRIPT)

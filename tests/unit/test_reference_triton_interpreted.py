@@ -8,57 +8,22 @@ computes bfloat16 wrongly); autotuned kernels run their first tile. test_referen
 checks the same kernels compiled, in bfloat16, on a GPU."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.unit.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
 SCRIPT = r'''
-import torch
-from triton.runtime import interpreter
-
-# NumPy 2.4 refuses int() of a one-element array, which the interpreter of Triton 3.6 takes
-# of a loaded scalar (a loop bound): read it with .item() instead.
-_patch_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
 from tandem.engines.reference import kernels, moe_kernels
 from tandem.engines.reference.attention import decode_attention
 from tandem.engines.reference.batch import AttentionMetadata
 from tandem.engines.reference.moe import GptOssMoeBlock
 
-
-class FirstTile:
-    """An autotuned kernel launched with its first tile (autotuning needs a GPU)."""
-
-    def __init__(self, tuner):
-        self.tuner, self.config = tuner, tuner.configs[0]
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            meta = self.config.kwargs
-            return self.tuner.fn[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
-        return launch
-
-
-kernels._gemv_tuned = FirstTile(kernels._gemv_tuned)
-kernels._skinny_gemm_kernel = FirstTile(kernels._skinny_gemm_kernel)
-moe_kernels._expert_gemm_kernel = FirstTile(moe_kernels._expert_gemm_kernel)
+kernels._gemv_tuned = Tile(kernels._gemv_tuned)
+kernels._skinny_gemm_kernel = Tile(kernels._skinny_gemm_kernel)
+moe_kernels._expert_gemm_kernel = Tile(moe_kernels._expert_gemm_kernel)
 torch.manual_seed(0)
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
 
 heads, kv_heads, block, head = 8, 2, 16, 32
 for lens, window in (([5, 40, 100], None), ([5, 40, 100], 24), ([300], None),
@@ -135,7 +100,4 @@ print("ok")
 
 
 def test_gpt_oss_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_interpreted(SCRIPT)

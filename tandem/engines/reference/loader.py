@@ -27,12 +27,13 @@ from tandem.engines.reference.checkpoint_names import (
     vision_name,
 )
 from tandem.engines.reference.model import DecoderModel
+from tandem.engines.reference.moe import pack_experts
 from tandem.engines.reference.parallel import shard
 from tandem.engines.reference.parallel.group import TensorGroup
 from tandem.engines.reference.quant.fp8 import fp8_gemm_supported, swap_linears
 from tandem.engines.reference.quant.fp8_format import FP8, quantize_rows
 from tandem.engines.reference.quant.kv_scales import fold_kv_scales, read_kv_scales
-from tandem.engines.reference.quant.mxfp4 import draw_packed, pack_experts
+from tandem.engines.reference.quant.mxfp4 import draw_packed
 from tandem.engines.reference.quant.reader import (
     QuantReader,
     is_scale,

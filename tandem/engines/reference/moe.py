@@ -183,7 +183,7 @@ class GptOssMoeBlock(nn.Module):
         self.alpha = alpha
         self.limit = limit
         self.router = nn.Linear(hidden_size, num_experts, bias=True)
-        # quant.mxfp4.pack_experts swaps in PackedExperts for MXFP4 checkpoints on CUDA
+        # pack_experts swaps in PackedExperts for MXFP4 checkpoints on CUDA
         self.experts: BiasedExperts | mxfp4.PackedExperts = BiasedExperts(
             num_experts, hidden_size, intermediate_size)
 
@@ -256,3 +256,16 @@ class GptOssMoeBlock(nn.Module):
         unsorted = torch.empty_like(out)
         unsorted[order] = out  # back to (token, slot) order, so the sum runs in slot order
         return unsorted.view(num_tokens, self.top_k, hidden_size).sum(dim=1).to(x.dtype)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Replace the experts (BiasedExperts) of every gpt-oss MoE block of `model` by
+    mxfp4.PackedExperts of the same shape (on `model`'s device: call it on the meta device,
+    before the weights are loaded). Returns how many blocks it changed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GptOssMoeBlock) and isinstance(module.experts, BiasedExperts):
+            num_experts, hidden_size, width = module.experts.gate_up_proj.shape
+            module.experts = mxfp4.PackedExperts(num_experts, hidden_size, width // 2)
+            count += 1
+    return count

@@ -5,7 +5,7 @@ and `<name>_scales` uint8 [..., rows, cols / 32]; gpt-oss's model holds each exp
 projection transposed ([cols, rows]: input first), as transformers does.
 
 On CUDA in half precision the experts stay packed as the checkpoint ships them
-(`PackedExperts`, swapped in by `pack_experts`; the layout is already what the kernel reads
+(`PackedExperts`, swapped in by `moe.pack_experts`; the layout is already what the kernel reads
 best: each output row's 4-bit values contiguous along the input dimension) and run through the
 W4A16 grouped GEMM of moe_kernels, which dequantizes tiles in registers. Elsewhere (the CPU,
 float32) they are dequantized while loading (to the model dtype, exactly: every e2m1 value
@@ -95,21 +95,6 @@ class PackedExperts(nn.Module):
         and references)."""
         return (dequantize(self.gate_up_proj_blocks, self.gate_up_proj_scales, "gate_up_proj"),
                 dequantize(self.down_proj_blocks, self.down_proj_scales, "down_proj"))
-
-
-def pack_experts(model: nn.Module) -> int:
-    """Replace the experts (moe.BiasedExperts) of every gpt-oss MoE block of `model` by
-    PackedExperts of the same shape (on `model`'s device: call it on the meta device, before
-    the weights are loaded). Returns how many blocks it changed."""
-    from tandem.engines.reference.moe import BiasedExperts, GptOssMoeBlock
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, GptOssMoeBlock) and isinstance(module.experts, BiasedExperts):
-            num_experts, hidden_size, width = module.experts.gate_up_proj.shape
-            module.experts = PackedExperts(num_experts, hidden_size, width // 2)
-            count += 1
-    return count
 
 
 def draw_packed(param: torch.Tensor, name: str, std: float,
