@@ -149,9 +149,9 @@ class PlannerConfig:
     correction_alpha: float = 0.3
     #: Seconds between two checks of the backlog between decisions (0: none): the frontends'
     #: requests in flight, when more than at the last decision and more than a pool's workers
-    #: hold by its capacity model, grow the pool at once to what they need, without waiting for
-    #: the interval (tandem.planner.decision's fast scale-up). No check runs when it is not
-    #: shorter than interval_s.
+    #: hold by its capacity model (by over hysteresis.scale_down_headroom), grow the pool at once
+    #: to what they need, without waiting for the interval (tandem.planner.decision's fast
+    #: scale-up). No check runs when it is not shorter than interval_s.
     scale_up_check_s: float = 3.0
     #: When a pool may shrink.
     hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig)

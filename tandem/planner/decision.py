@@ -19,8 +19,11 @@ Per pool, in the order of the config:
 
 Between intervals, `scale_up_now` only grows (fast up, slow down, as Kubernetes' HPA and KEDA
 do): the loop passes the load of the last interval with the requests in flight now, and a pool
-whose demand asks for more workers than it has gets them at once, within max_workers and the
-GPUs the budget has left (taken in the config's order; no pool is cut for another). A fast
+whose demand exceeds the workers it has by more than `scale_down_headroom` (a backlog, not the
+noise of a load at capacity: the same margin keeps an interval from shrinking a pool, so a
+worker added on it is not taken away at the next chance) gets what the demand asks for at once,
+within max_workers and the GPUs the budget has left (taken in the config's order; no pool is cut
+for another). A fast
 scale-up counts as a scale-up for the cooldown, so the next interval decisions do not shrink
 the pool it grew; it adds nothing to the scale-down window and is not an interval.
 """
@@ -136,8 +139,8 @@ class Decider:
     def scale_up_now(self, loads: Mapping[str, Load], models: Mapping[str, PoolModel]
                      ) -> Decision | None:
         """A fast scale-up between intervals (module docstring), or None when no pool's demand
-        for `loads` (the last interval's load with the requests in flight now) asks for more
-        workers than it has, or none can grow. Raises as `decide`."""
+        for `loads` (the last interval's load with the requests in flight now) exceeds its
+        workers by more than the headroom, or none can grow. Raises as `decide`."""
         budget = self.config.gpu_budget
         free = budget - self._gpus({p: s.workers for p, s in self._states.items()}) if budget \
             else 1 << 30
@@ -148,8 +151,9 @@ class Decider:
             demand = pool_demand(pool, model, loads[pool.name])
             state = self._states[pool.name]
             now, wanted = state.workers, _clamp(_ceil(demand.workers), pool)
+            backlog = demand.workers > now * (1 + self.config.hysteresis.scale_down_headroom)
             target = min(wanted, now + max(free, 0) // pool.gpus_per_worker) \
-                if wanted > now else now
+                if backlog and wanted > now else now
             if target > now:
                 verdict = f"fast scale up {now} -> {target} on the requests in flight"
                 free -= (target - now) * pool.gpus_per_worker
