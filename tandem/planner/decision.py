@@ -23,9 +23,9 @@ whose demand exceeds the workers it has by more than `scale_down_headroom` (a ba
 noise of a load at capacity: the same margin keeps an interval from shrinking a pool, so a
 worker added on it is not taken away at the next chance) gets what the demand asks for at once,
 within max_workers and the GPUs the budget has left (taken in the config's order; no pool is cut
-for another). A fast
-scale-up counts as a scale-up for the cooldown, so the next interval decisions do not shrink
-the pool it grew; it adds nothing to the scale-down window and is not an interval.
+for another). A fast scale-up counts as a scale-up for the cooldown, so the next interval
+decisions do not shrink the pool it grew; it adds nothing to the scale-down window and is not
+an interval.
 """
 from __future__ import annotations
 

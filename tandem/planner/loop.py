@@ -15,8 +15,9 @@ page missing from one round would otherwise count its counters' whole values as 
 Between decisions, every `scale_up_check_s`, a backlog check reads the pages again: when the
 frontends' requests in flight are more than at the last decision, the last interval's load with
 them as its in-flight floor is put to the decider's fast scale-up (Decider.scale_up_now), which
-grows a pool whose workers cannot hold them (by more than the scale-down headroom). A step burst is so met within seconds, not at the
-next interval; the interval decisions stay the only ones that shrink a pool.
+grows a pool whose workers cannot hold them (by more than the scale-down headroom). A step
+burst is so met within seconds, not at the next interval; the interval decisions stay the only
+ones that shrink a pool.
 """
 from __future__ import annotations
 
