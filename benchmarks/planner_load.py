@@ -153,7 +153,8 @@ def write_plan(args: argparse.Namespace, work: pathlib.Path) -> pathlib.Path:
         pools = [{"name": "decode", "role": "agg", "ttft_target_ms": args.ttft_target_ms,
                   "itl_target_ms": args.itl_target_ms, "min_workers": 1,
                   "max_workers": args.max_workers, "profile": str(PROFILES / "agg.json")}]
-    plan = {"interval_s": args.interval_s, "gpu_budget": args.gpu_budget, "pools": pools}
+    plan = {"interval_s": args.interval_s, "scale_up_check_s": args.scale_up_check_s,
+            "gpu_budget": args.gpu_budget, "pools": pools}
     path = work / "plan.json"
     path.write_text(json.dumps(plan, indent=1))
     return path
@@ -302,7 +303,8 @@ async def sample_workers(router: str, shape: Shape, t0: float, status: str,
                                                for p in pools}})
             if status and (body := read_report(status)):
                 for d in body.get("decisions", []):
-                    decisions.setdefault(f"{body.get('pid')}:{d['interval']}", {**d, "t": t})
+                    decisions.setdefault(f"{body.get('pid')}:{d['interval']}:{d['at']}",
+                                        {**d, "t": t})
             await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0 - t)))
     return {"samples": samples,
             "decisions": sorted(decisions.values(), key=lambda d: d["t"])}
@@ -541,6 +543,8 @@ def main() -> None:
     p.add_argument("--peak-streams", type=int, default=16)
     p.add_argument("--burst-streams", type=int, default=12)
     p.add_argument("--interval-s", type=float, default=15.0)
+    p.add_argument("--scale-up-check-s", type=float, default=3.0,
+                   help="the planner's backlog checks between intervals (0: none)")
     p.add_argument("--max-workers", type=int, default=10, help="per pool")
     p.add_argument("--gpu-budget", type=int, default=0)
     p.add_argument("--ttft-target-ms", type=float, default=0.0,

@@ -147,6 +147,12 @@ class PlannerConfig:
     #: Weight of the newest interval in a profile's online correction (0: no refinement;
     #: tandem.planner.profile.Correction gives the rule).
     correction_alpha: float = 0.3
+    #: Seconds between two checks of the backlog between decisions (0: none): the frontends'
+    #: requests in flight, when more than at the last decision and more than a pool's workers
+    #: hold by its capacity model (by over hysteresis.scale_down_headroom), grow the pool at once
+    #: to what they need, without waiting for the interval (tandem.planner.decision's fast
+    #: scale-up). No check runs when it is not shorter than interval_s.
+    scale_up_check_s: float = 3.0
     #: When a pool may shrink.
     hysteresis: HysteresisConfig = field(default_factory=HysteresisConfig)
     #: The pools the planner sizes (YAML only).
@@ -156,6 +162,9 @@ class PlannerConfig:
         if not self.interval_s > 0:
             raise InvalidRequest(f"interval_s must be > 0, got {self.interval_s}",
                                  param="interval_s")
+        if not 0 <= self.scale_up_check_s < float("inf"):
+            raise InvalidRequest(f"scale_up_check_s must be >= 0 (0: no checks), got "
+                                 f"{self.scale_up_check_s}", param="scale_up_check_s")
         if self.gpu_budget < 0:
             raise InvalidRequest(f"gpu_budget must be >= 0 (0: none), got {self.gpu_budget}",
                                  param="gpu_budget")

@@ -16,6 +16,16 @@ Per pool, in the order of the config:
    share of the GPUs close to its share of the demand: with prefill demanding 6 workers and
    decode 2 under a budget of 4, prefill keeps 3 and decode 1. The budget may shrink a pool
    that hysteresis was holding: a held worker gives way to one the load needs.
+
+Between intervals, `scale_up_now` only grows (fast up, slow down, as Kubernetes' HPA and KEDA
+do): the loop passes the load of the last interval with the requests in flight now, and a pool
+whose demand exceeds the workers it has by more than `scale_down_headroom` (a backlog, not the
+noise of a load at capacity: the same margin keeps an interval from shrinking a pool, so a
+worker added on it is not taken away at the next chance) gets what the demand asks for at once,
+within max_workers and the GPUs the budget has left (taken in the config's order; no pool is cut
+for another). A fast scale-up counts as a scale-up for the cooldown, so the next interval
+decisions do not shrink the pool it grew; it adds nothing to the scale-down window and is not
+an interval.
 """
 from __future__ import annotations
 
@@ -56,6 +66,8 @@ class Decision:
     pools: tuple[PoolDecision, ...]
     #: GPUs the targets hold together.
     num_gpus: int
+    #: A fast scale-up between intervals (Decider.scale_up_now), not an interval's decision.
+    fast: bool = False
 
     def targets(self) -> dict[str, int]:
         return {p.pool: p.target for p in self.pools}
@@ -64,7 +76,9 @@ class Decision:
         """One line for the decision log and `tandem status`."""
         parts = [f"{p.pool} {p.previous} -> {p.target}" if p.is_change else f"{p.pool} {p.target}"
                  for p in self.pools]
-        return f"interval {self.interval}: {', '.join(parts)}; {self.num_gpus} GPUs"
+        when = (f"fast scale-up after interval {self.interval - 1}" if self.fast else
+                f"interval {self.interval}")
+        return f"{when}: {', '.join(parts)}; {self.num_gpus} GPUs"
 
 
 @dataclass
@@ -121,6 +135,39 @@ class Decider:
         decision = Decision(self._num_decided, tuple(decisions), self._gpus(targets))
         self._num_decided += 1
         return decision
+
+    def scale_up_now(self, loads: Mapping[str, Load], models: Mapping[str, PoolModel]
+                     ) -> Decision | None:
+        """A fast scale-up between intervals (module docstring), or None when no pool's demand
+        for `loads` (the last interval's load with the requests in flight now) exceeds its
+        workers by more than the headroom, or none can grow. Raises as `decide`."""
+        budget = self.config.gpu_budget
+        free = budget - self._gpus({p: s.workers for p, s in self._states.items()}) if budget \
+            else 1 << 30
+        decisions, grown = [], False
+        for pool in self.config.pools:
+            model = models[pool.name]
+            check_model(pool, model)
+            demand = pool_demand(pool, model, loads[pool.name])
+            state = self._states[pool.name]
+            now, wanted = state.workers, _clamp(_ceil(demand.workers), pool)
+            backlog = demand.workers > now * (1 + self.config.hysteresis.scale_down_headroom)
+            target = min(wanted, now + max(free, 0) // pool.gpus_per_worker) \
+                if backlog and wanted > now else now
+            if target > now:
+                verdict = f"fast scale up {now} -> {target} on the requests in flight"
+                free -= (target - now) * pool.gpus_per_worker
+                state.workers, state.since_scale_up, grown = target, 0, True
+            else:
+                verdict = f"steady at {now}"
+            if wanted > target:
+                verdict += f", short of {wanted} by the GPU budget"
+            decisions.append(PoolDecision(pool.name, pool.role, now, wanted, target,
+                                          demand.workers, f"{verdict}: {demand.reason}"))
+        if not grown:
+            return None
+        targets = {p.pool: p.target for p in decisions}
+        return Decision(self._num_decided, tuple(decisions), self._gpus(targets), fast=True)
 
     def _hysteresis(self, pool: PlannerPoolConfig, demand: float) -> tuple[int, int, str]:
         """(wanted, target before the budget, verdict) for one pool; records the interval."""

@@ -11,6 +11,13 @@ nothing from the services that Prometheus does not already scrape.
 An interval is decided only on complete frontend data: a round in which a frontend's page did
 not answer is skipped, and the next complete round is compared with the last complete one (a
 page missing from one round would otherwise count its counters' whole values as new traffic).
+
+Between decisions, every `scale_up_check_s`, a backlog check reads the pages again: when the
+frontends' requests in flight are more than at the last decision, the last interval's load with
+them as its in-flight floor is put to the decider's fast scale-up (Decider.scale_up_now), which
+grows a pool whose workers cannot hold them (by more than the scale-down headroom). A step
+burst is so met within seconds, not at the next interval; the interval decisions stay the only
+ones that shrink a pool.
 """
 from __future__ import annotations
 
@@ -28,7 +35,13 @@ from tandem.planner.decision import Decider, Decision
 from tandem.planner.demand import PoolModel, concurrent_streams
 from tandem.planner.exposition import Scrape, counter_increase
 from tandem.planner.metrics import PlannerMetrics
-from tandem.planner.observe import FrontendInterval, PoolLoad, frontend_interval, pool_loads
+from tandem.planner.observe import (
+    FrontendInterval,
+    PoolLoad,
+    frontend_interval,
+    inflight_requests,
+    pool_loads,
+)
 from tandem.planner.predictor import Load, LoadPredictor
 from tandem.planner.removal import RemovalCost, pool_workers, removal_order
 from tandem.planner.report import ReportWriter
@@ -58,22 +71,70 @@ class PlannerLoop:
         self.predictor = LoadPredictor(plan.predictor_window)
         self.decider: Decider | None = None
         self._baseline: Scrape | None = None
+        #: The last decided interval's load (before the pools' shares) and the shares.
+        self._last_load: Load | None = None
+        self._shares: dict[str, float] = {}
         #: Pages that answered at least once, and those not answering now (for the log).
         self._answered: set[str] = set()
         self._down: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Steps every interval_s until `stop` is set."""
+        """Steps every interval_s, and checks the backlog every scale_up_check_s between steps,
+        until `stop` is set."""
         while not stop.is_set():
-            started = time.monotonic()
+            deadline = time.monotonic() + self.plan.interval_s
             try:
                 await self.step()
             except TandemError as exc:  # the connector or a profile: say so, try next time
                 log.warning("interval not planned", extra={"error": exc.message})
                 self._note(f"not planned: {exc.message}")
-            wait = self.plan.interval_s - (time.monotonic() - started)
+            await self._between(stop, deadline)
+
+    async def _between(self, stop: asyncio.Event, deadline: float) -> None:
+        """Backlog checks until `deadline` (none when the next would come after it)."""
+        check = self.plan.scale_up_check_s
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            wait = check if 0 < check < left else max(left, 0.0)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(wait, 0.0))
+                await asyncio.wait_for(stop.wait(), wait)
+            if wait == left or wait <= 0 or stop.is_set():
+                return
+            try:
+                await self.check_backlog()
+            except TandemError as exc:
+                log.warning("backlog check failed", extra={"error": exc.message})
+
+    async def check_backlog(self) -> Decision | None:
+        """One backlog check (module docstring); the fast scale-up it made, or None."""
+        if self.decider is None or self._baseline is None or self._last_load is None:
+            return None  # nothing decided yet: no load to size from
+        round_ = await self.scraper.round()
+        if round_.missing_any(self.frontend_urls):
+            return None
+        before = inflight_requests(self._baseline, self.model_name)
+        now = inflight_requests(round_.scrape, self.model_name)
+        if now <= before:
+            return None
+        load = dataclasses.replace(self._last_load, inflight=now)
+        decision = self.decider.scale_up_now(
+            {p.name: _scaled(load, self._shares.get(p.name, 1.0)) for p in self.plan.pools},
+            self.models)
+        if decision is None:
+            return None
+        actual = await self.connector.actual()
+        for pool in decision.pools:
+            if pool.is_change:
+                log.info(f"{pool.pool}: {pool.reason}", extra={
+                    "pool": pool.pool, "after_interval": decision.interval - 1,
+                    "actual": actual.get(pool.pool), "target": pool.target,
+                    "demand": round(pool.demand, 3), "inflight": now,
+                    "inflight_at_decision": before})
+        self.metrics.observe(decision, load, actual)
+        await self._act(decision, actual, pool_workers(round_.scrape))
+        if self.report is not None:
+            self.report.record(decision, load, actual)
+        return decision
 
     async def step(self) -> Decision | None:
         """One interval; the decision, or None when the interval could not be decided on."""
@@ -93,11 +154,12 @@ class PlannerLoop:
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
         load = dataclasses.replace(predicted, inflight=seen.backlog)
+        self._last_load = predicted
         actual = await self.connector.actual()
         if self.decider is None:  # a (re)started planner takes the deployment as it is
             self.decider = Decider(self.plan, actual)
         workers = pool_workers(after)
-        shares = routed_shares(self.plan, before, after)
+        shares = self._shares = routed_shares(self.plan, before, after)
         self._refine(seen, actual, workers, shares)
         decision = self.decider.decide(
             {p.name: _scaled(load, shares[p.name]) for p in self.plan.pools}, self.models)

@@ -1,7 +1,8 @@
 """The planner's own Prometheus metrics: what it wants each pool to have and what each has, the
 load it predicted, the decisions it took, and what went wrong (pages it could not read, scale
 calls that failed). An HPA or KEDA can scale on `tandem_planner_desired_workers` instead of
-letting the planner act (deploy/README.md)."""
+letting the planner act (deploy/README.md). `tandem_planner_decisions` counts the interval
+decisions; the fast scale-ups between them have their own counter."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -25,6 +26,9 @@ class PlannerMetrics:
                             registry=r)
         self.decisions = Counter("tandem_planner_decisions", "Decisions per pool, by change: "
                                  "up, down or none", ("pool", "change"), registry=r)
+        self.fast_scale_ups = Counter("tandem_planner_fast_scale_ups", "Pools grown between "
+                                      "intervals on the requests in flight (a backlog check)",
+                                      ("pool",), registry=r)
         self.predicted_rate = Gauge("tandem_planner_predicted_request_rate", "Requests per "
                                     "second the planner predicts for the next interval",
                                     registry=r)
@@ -45,6 +49,10 @@ class PlannerMetrics:
         for pool in decision.pools:
             self.desired.labels(pool.pool).set(pool.target)
             self.demand.labels(pool.pool).set(pool.demand)
+            if decision.fast:
+                if pool.is_change:
+                    self.fast_scale_ups.labels(pool.pool).inc()
+                continue
             change = ("up" if pool.target > pool.previous else
                       "down" if pool.target < pool.previous else "none")
             self.decisions.labels(pool.pool, change).inc()

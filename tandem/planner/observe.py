@@ -89,8 +89,14 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
         itl_ms=_ms(itl.quantile(quantile)),
         mean_ttft_ms=_ms(ttft.mean),
         mean_itl_ms=_ms(itl.mean),
-        num_inflight=sum(after.gauges(INFLIGHT, match).values()),
-        num_inflight_before=sum(before.gauges(INFLIGHT, match).values()))
+        num_inflight=inflight_requests(after, model),
+        num_inflight_before=inflight_requests(before, model))
+
+
+def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
+    """Requests the frontends were serving at the scrape (queued and streaming), for one served
+    `model` (None: all)."""
+    return sum(scrape.gauges(INFLIGHT, None if model is None else {"model": model}).values())
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ class ReportWriter:
 
     def record(self, decision: Decision, load: Load, actual: dict[str, int]) -> None:
         self._decisions.append({
-            "interval": decision.interval, "at": time.time(), "summary": decision.summary(),
+            "interval": decision.interval, "fast": decision.fast, "at": time.time(),
+            "summary": decision.summary(),
             "pools": [{"pool": p.pool, "role": p.role, "previous": p.previous,
                        "wanted": p.wanted, "target": p.target,
                        "demand": p.demand if p.demand != float("inf") else None,

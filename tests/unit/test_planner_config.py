@@ -48,6 +48,7 @@ def test_reads_a_yaml_file(tmp_path: pathlib.Path) -> None:
 def test_defaults_are_documented_values() -> None:
     config = planner_config_from_dict(_pools())
     assert (config.interval_s, config.gpu_budget, config.predictor_window) == (30.0, 0, 3)
+    assert config.scale_up_check_s == 3.0
     assert config.hysteresis == HysteresisConfig(2, 0.2, 2)
     assert (config.pools[0].min_workers, config.pools[0].max_workers) == (1, 8)
 
@@ -111,6 +112,8 @@ def test_budget_must_hold_the_minimums() -> None:
 @pytest.mark.parametrize("data, param", [
     ({"interval_s": 0}, "interval_s"),
     ({"gpu_budget": -1}, "gpu_budget"),
+    ({"scale_up_check_s": -1}, "scale_up_check_s"),
+    ({"scale_up_check_s": float("inf")}, "scale_up_check_s"),
     ({"predictor_window": 0}, "predictor_window"),
     ({"correction_alpha": 1.5}, "correction_alpha"),
     ({"hysteresis": {"scale_down_intervals": 0}}, "hysteresis.scale_down_intervals"),

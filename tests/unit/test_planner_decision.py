@@ -241,3 +241,71 @@ def test_profiles_that_cannot_size_their_pool_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="needs decode points"):
         Decider(config).decide(same_load(config, Load(1, 1000, 100)),
                                {"prefill": MODEL, "decode": only_prefill})
+
+
+def fast(decider: Decider, rate: float, inflight: float) -> Decision | None:
+    """A backlog check: the last interval's load at `rate` with `inflight` requests in flight."""
+    config = decider.config
+    return decider.scale_up_now(same_load(config, Load(rate, 1000, 100, inflight=inflight)),
+                                models(config))
+
+
+def test_a_backlog_grows_a_pool_between_intervals() -> None:
+    """10 req/s: prefill 2 (10 / 7.5), decode 1 (40 streams / 40). A burst of 120 requests in
+    flight needs 3 decode workers now; prefill, sized on the rate, keeps its 2."""
+    decider = Decider(disagg())
+    assert step(decider, 10).targets() == {"prefill": 2, "decode": 1}
+    decision = fast(decider, 10, inflight=120)
+    assert decision is not None and decision.fast and decision.targets() == {
+        "prefill": 2, "decode": 3}
+    prefill, decode = decision.pools
+    assert not prefill.is_change and decode.previous == 1
+    assert decode.reason.startswith("fast scale up 1 -> 3 on the requests in flight: 120 "
+                                    "streams (in flight;")
+    assert decision.summary() == "fast scale-up after interval 0: prefill 2, decode 1 -> 3; 5 GPUs"
+    assert fast(decider, 10, inflight=120) is None  # grown already: nothing more to do
+
+
+@pytest.mark.parametrize("inflight", [0, 25, 40, 41, 48])
+def test_no_fast_scale_up_for_a_load_the_pool_holds(inflight: float) -> None:
+    """One decode worker holds 40 streams within its target. Up to 40 in flight (a steady load
+    at capacity), and up to 20% more (the scale-down headroom: the noise of such a load, which
+    an interval would not shrink the pool back from), it is not grown."""
+    decider = Decider(disagg())
+    step(decider, 10)
+    assert fast(decider, 10, inflight) is None
+    grown = fast(decider, 10, 49)  # 1.23 workers' worth: past the headroom
+    assert grown is not None and grown.targets()["decode"] == 2
+
+
+def test_a_fast_scale_up_keeps_to_max_workers_and_the_budget() -> None:
+    decider = Decider(disagg(decode={"max_workers": 3}))
+    step(decider, 10)
+    capped = fast(decider, 10, inflight=400)  # 10 workers' worth
+    assert capped is not None and capped.targets()["decode"] == 3
+    # A budget of 4 GPUs with prefill holding 2 leaves decode one more, and no prefill worker
+    # is taken for it.
+    decider = Decider(disagg(gpu_budget=4))
+    step(decider, 10)
+    cut = fast(decider, 10, inflight=400)
+    assert cut is not None and cut.targets() == {"prefill": 2, "decode": 2}
+    assert cut.num_gpus == 4 and "short of 8 by the GPU budget" in cut.pools[1].reason
+    assert fast(decider, 10, inflight=400) is None  # no GPU left: no decision
+    full = Decider(disagg(gpu_budget=3))
+    step(full, 10)
+    assert fast(full, 10, inflight=400) is None
+
+
+def test_a_fast_scale_up_starts_the_cooldown() -> None:
+    """8 req/s: decode 1 (32 streams, 38 with the headroom). The burst ends right after the
+    fast scale-up: the next interval decisions hold the pool for the cooldown (2 decisions),
+    then shrink it once; a check that finds no more than one worker holds does not grow it
+    back (no flapping)."""
+    decider = Decider(disagg())
+    step(decider, 8)
+    assert fast(decider, 8, inflight=200) is not None  # decode 1 -> 5
+    held = [step(decider, 8) for _ in range(3)]
+    assert [d.targets()["decode"] for d in held] == [5, 5, 1]
+    assert "in the cooldown after the scale-up 2 interval(s) ago" in held[1].pools[1].reason
+    assert fast(decider, 8, inflight=40) is None
+    assert step(decider, 8).targets()["decode"] == 1

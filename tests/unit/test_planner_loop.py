@@ -4,8 +4,10 @@ connector naming the cheapest workers first, starts from the deployment as it fi
 the traffic between pools of one role, and reports what it decided and why."""
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -163,3 +165,60 @@ def test_the_report_is_json_a_person_can_read(tmp_path: pathlib.Path) -> None:
     assert body["note"] == "took its first metrics" and body["decisions"] == []
     assert "no decision yet" in format_report(body)
     assert read_report(str(tmp_path / "missing.json")) is None
+
+
+async def test_a_backlog_grows_the_pool_between_intervals(tmp_path: pathlib.Path) -> None:
+    """Requests pile up in flight after an interval sized the pool for 2 req/s: the backlog
+    check grows it to what they need (10 in flight, 4 streams per worker: 3) at once, says so
+    in the report and the metrics, and does not grow it again for the same backlog; the next
+    interval keeps it (its in-flight floor sees the same requests)."""
+    pages, connector = Pages(), Recorded({"decode": 1})
+    report = ReportWriter(str(tmp_path / "status.json"), 2.0)
+    loop = planner(pages, connector, report, scale_up_check_s=0.5)
+    await loop.step()
+    assert await loop.check_backlog() is None  # nothing decided yet: no load to size from
+    pages.serve(4)  # 2 req/s x OSL 50 x 20 ms = 2 streams: 1 worker
+    decision = await loop.step()
+    assert decision is not None and decision.targets() == {"decode": 1}
+    queued = [pages.frontend.track("completions") for _ in range(3)]
+    assert await loop.check_backlog() is None and connector.calls == []  # 1 worker holds 3
+    queued += [pages.frontend.track("completions") for _ in range(7)]
+    fast = await loop.check_backlog()
+    assert fast is not None and fast.fast and fast.targets() == {"decode": 3}
+    assert connector.calls == [("decode", 3, [])]
+    body = read_report(str(tmp_path / "status.json"))
+    assert body is not None and body["decisions"][-1]["fast"] is True
+    assert "fast scale-up after interval 0: decode 1 -> 3" in format_report(body)
+    assert loop.metrics.registry.get_sample_value(
+        "tandem_planner_fast_scale_ups_total", {"pool": "decode"}) == 1
+    assert await loop.check_backlog() is None and len(connector.calls) == 1
+    decision = await loop.step()
+    assert decision is not None and decision.targets() == {"decode": 3}
+    assert decision.pools[0].reason.startswith("steady at 3")
+    for tracker in queued:
+        tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=50))
+
+
+async def test_the_loop_checks_the_backlog_between_its_intervals() -> None:
+    """run() itself: a backlog that appears after the first decision is met by a check before
+    the next interval (an hour away), and a check that is not shorter than the interval never
+    runs."""
+    pages, connector = Pages(), Recorded({"decode": 1})
+    loop = planner(pages, connector, interval_s=3600, scale_up_check_s=0.05)
+    await loop.step()
+    pages.serve(4)
+    await loop.step()
+    for _ in range(10):
+        pages.frontend.track("completions")  # in flight, never finished
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop._between(stop, time.monotonic() + 3600))
+    for _ in range(400):
+        if connector.calls:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    assert connector.calls == [("decode", 3, [])]
+    slow = planner(Pages(), Recorded({"decode": 1}), interval_s=2, scale_up_check_s=2)
+    slow.check_backlog = None  # type: ignore[assignment,method-assign]  # a call would raise
+    await slow._between(asyncio.Event(), time.monotonic() + 0.1)
