@@ -160,7 +160,7 @@ class Decider:
                 state.workers, state.since_scale_up, grown = target, 0, True
             else:
                 verdict = f"steady at {now}"
-            if wanted > target:
+            if backlog and wanted > target:
                 verdict += f", short of {wanted} by the GPU budget"
             decisions.append(PoolDecision(pool.name, pool.role, now, wanted, target,
                                           demand.workers, f"{verdict}: {demand.reason}"))
