@@ -115,12 +115,15 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     frontend_argv = serve_argv(
         "frontend", "--host", d.host, "--http-port", str(d.http_port), "--grpc-port",
         str(d.grpc_port), *frontend_flags, *common, "--processes", "1")
-    return [*workers, *routers, *frontends(d, frontend_argv)]
+    planned = {int(p.health_address.rpartition(":")[2]) for p in [*workers, *routers]}
+    return [*workers, *routers, *frontends(d, frontend_argv, planned)]
 
 
-def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
+def frontends(d: Deployment, argv: list[str], planned: set[int] | None = None
+              ) -> list[ServiceProcess]:
     """One frontend process, or `frontend_processes` of them sharing the ports, each with its
-    own gRPC port for the launcher's readiness check and its own metrics port."""
+    own gRPC port for the launcher's readiness check (none of `planned`, the ports the other
+    services will listen on but may not yet) and its own metrics port."""
     if d.frontend_processes < 0:
         raise InvalidRequest("frontend_processes must be at least 1 (0: one per 4 cores)",
                              param="frontend_processes")
@@ -130,7 +133,10 @@ def frontends(d: Deployment, argv: list[str]) -> list[ServiceProcess]:
     if count == 1:
         return [ServiceProcess("frontend", f"{d.host}:{d.grpc_port}", [*argv, *metrics[0]],
                                is_dialed_by_peers=False)]
-    own_ports = _free_ports(d.host, count)
+    metrics_ports = (set(range(d.frontend_metrics_port, d.frontend_metrics_port + count))
+                     if d.frontend_metrics_port else set())
+    own_ports = _free_ports(d.host, count,
+                            {*(planned or ()), d.http_port, d.grpc_port, *metrics_ports})
     return [ServiceProcess(f"frontend-{i}", f"{d.host}:{port}",
                            [*argv, *metrics[i], "--reuse-port", "--own-grpc-port", str(port)],
                            stop_group="frontend", is_dialed_by_peers=False)
@@ -143,14 +149,17 @@ def auto_frontend_processes() -> int:
     return max(1, min(4, usable_cores() // 4))
 
 
-def _free_ports(host: str, n: int) -> list[int]:
-    """`n` distinct ports nothing listens on now (all held open until the end, so that the
-    kernel offers each once)."""
-    held = [socket.socket() for _ in range(n)]
+def _free_ports(host: str, n: int, avoid: set[int]) -> list[int]:
+    """`n` distinct ports nothing listens on now and none of `avoid` (ports planned for
+    services that have not bound them yet: the kernel could offer them too). All are held
+    open until the end, so that the kernel offers each once."""
+    held: list[socket.socket] = []
     try:
-        for sock in held:
+        while len([s for s in held if s.getsockname()[1] not in avoid]) < n:
+            sock = socket.socket()
+            held.append(sock)
             sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in held]
+        return [s.getsockname()[1] for s in held if s.getsockname()[1] not in avoid][:n]
     finally:
         for sock in held:
             sock.close()

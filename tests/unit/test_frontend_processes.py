@@ -52,6 +52,31 @@ def test_several_share_the_ports_and_own_one_each(tmp_path: pathlib.Path) -> Non
     assert {p.stop_group for p in frontends} == {"frontend"}
 
 
+def test_own_ports_avoid_the_ports_planned_for_other_services(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router and workers bind their ports only once started: a frontend's own port, taken
+    from the kernel before that, must not be one of theirs (a flake that once failed
+    `tandem up` with "Address already in use" on the router's port)."""
+    import socket
+
+    from tandem.launcher import processes as processes_module
+
+    offered = iter([9100, 8001, 9200, 41000, 41001])  # router, grpc, worker, then free ones
+
+    class Socket(socket.socket):
+        def bind(self, address: object) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(processes_module.socket, "socket", Socket)
+    d = Deployment(engine="mock", frontend_processes=2)
+    own = [frontend_config(p.argv).own_grpc_port for p in processes(d, tmp_path)
+           if p.name.startswith("frontend")]
+    assert own == [41000, 41001]
+
+
 def test_negative_processes_are_refused(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidRequest, match="frontend_processes"):
         processes(Deployment(engine="mock", frontend_processes=-1), tmp_path)
