@@ -254,7 +254,8 @@ class ReferenceEngine(BatchingEngine):
         prompt_ids = [req.token_ids[start:start + count + 1]
                       for req, _, start, count, _ in inputs.prompt_spans]
         guides = [guide for req in plan.ready for guide in _row_guides(req)]
-        spans = _step_spans(plan)  # before the await: verification moves num_computed
+        # Before the await (verification moves num_computed); only for EAGLE-3's states.
+        spans = _step_spans(plan) if self.model.aux is not None else []
         sampled, prompt_lps, aux = await asyncio.to_thread(
             self._forward_sample_and_keep, inputs, samples, prompt_ids, encoded, guides)
         if aux is not None and self.speculation is not None:

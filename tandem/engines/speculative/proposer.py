@@ -38,8 +38,8 @@ class Proposer(ABC):
         """Told after a target step (on the event loop, before its tokens are applied) the
         hidden states of `aux_layers` it computed, [rows, n * hidden], and which rows are
         whose (`spans`); `keep_all` False: the step did not speculate, so keep only what a
-        proposal cannot start without. Only for a proposer with `aux_layers`."""
-        raise NotImplementedError(f"{type(self).__name__} reads no hidden states")
+        proposal cannot start without. A proposer without `aux_layers` is never told."""
+        del spans, states, keep_all  # it reads no hidden states
 
     @abstractmethod
     def propose(self, reqs: Sequence[BatchRequest], ks: Sequence[int],
