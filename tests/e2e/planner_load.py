@@ -53,11 +53,13 @@ def start_planned(tmp: pathlib.Path, max_workers: int, gpu_budget: int = 0,
                        "itl_target_ms": 20, "min_workers": 1, "max_workers": max_workers,
                        "profile": str(tmp / "profile.json")}]}
     (tmp / "plan.yaml").write_text(yaml.safe_dump(plan))
-    # A removed worker's streams (2000 tokens, ~12 s at the mock's ~6 ms a step) finish
-    # within its grace period.
+    # A removed worker's streams (test_planner's 4000 tokens, ~25 s at the mock's ~6 ms a
+    # step: past the demo model's 2,048 positions, hence --max-seq-len) finish well within
+    # its grace period, even on a busy runner.
     # One frontend process: its OpenAI port's /metrics is then the whole frontend's.
     return start_topology("--engine", "mock", "--speedup-ratio", "1", "--planner",
-                          "--planner-config", str(tmp / "plan.yaml"), "--grace-period-s", "60",
+                          "--planner-config", str(tmp / "plan.yaml"), "--grace-period-s", "90",
+                          "--max-seq-len", "8192",
                           "--frontend-processes", "1", "--log-format", "json",
                           restart=restart, log=up_log(tmp))
 

@@ -29,9 +29,11 @@ from tests.e2e.planner_load import (
     stream_completion,
     wait_for,
 )
-from tests.e2e.topology import ROOT, tandem_cmd
+from tests.e2e.topology import ROOT, local_candidates, tandem_cmd
 
-LONG_TOKENS = 2000
+#: ~25 s at the mock's ~6 ms a step: the streams must still run when the pool shrinks, ~5 s
+#: after the load stops here, later on a busy runner; start_planned's grace period covers them.
+LONG_TOKENS = 4000
 # Each test starts its own topology and watches a dozen or more 2-s intervals: under a minute
 # here, possibly past pytest's default 120 s on a busy 2-core runner.
 pytestmark = pytest.mark.timeout(300)
@@ -46,14 +48,17 @@ def test_scales_up_under_load_and_drains_what_it_removes(tmp_path: pathlib.Path)
     load = SteadyLoad(topo, rate=10, max_tokens=25)
     assert demand(10, 25) == 2.5
     try:
-        wait_for("3 workers taking requests", lambda: candidates(topo) == 3, 90)
+        # Taking requests from the frontend too: its local router takes the router's list
+        # every few seconds, and until it has the new workers it sends every request to the
+        # first (the long streams below then all ran on the worker the planner keeps: the
+        # failure that 1 fresh-clone run in 3 met).
+        wait_for("3 workers taking requests",
+                 lambda: candidates(topo) == 3 and local_candidates(topo) == 3, 90)
         members = {w.worker_id for w in pool(topo).workers}
         assert any("scale up 1 -> " in p["reason"] for d in report(topo)["decisions"]
                    for p in d["pools"])
-        # Twelve long streams, spread by the router (six did not always reach a worker the
-        # planner then removed: 1 fresh run in 3 failed so), then the load
-        # stops: the pool shrinks back to 1 while they run, so the workers it removes must
-        # drain those they have.
+        # Twelve long streams, spread by the router, then the load stops: the pool shrinks
+        # back to 1 while they run, so the workers it removes must drain those they have.
         started = [threading.Event() for _ in range(12)]
         with ThreadPoolExecutor(len(started)) as threads:
             longs = [threads.submit(stream_completion, topo, LONG_TOKENS, first)
