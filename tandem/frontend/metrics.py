@@ -34,6 +34,16 @@ class FrontendMetrics:
                                labels, registry=r)
         self.queued = Gauge("tandem_frontend_queued_requests", "Requests not yet answered with "
                             "a first token (tokenizing, routing, prefilling)", labels, registry=r)
+        self.arrivals = Counter("tandem_frontend_arrivals", "Generations handed to routing, "
+                                "counted as they arrive (one per choice); the planner's request "
+                                "rate", labels, registry=r)
+        self.arrival_prompt_tokens = Counter(
+            "tandem_frontend_arrival_prompt_tokens", "Prompt tokens of the generations counted "
+            "in tandem_frontend_arrivals, as they arrive", labels, registry=r)
+        self.queued_prompt_tokens = Gauge(
+            "tandem_frontend_queued_prompt_tokens", "Prompt tokens of the generations not yet "
+            "answered with a first token (routing, prefilling, waiting for a worker)", labels,
+            registry=r)
         self.ttft = Histogram("tandem_frontend_time_to_first_token_seconds", "TTFT", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_frontend_inter_token_latency_seconds",
@@ -93,6 +103,9 @@ class FrontendMetrics:
         self.refusals.labels(model)
         self.migrations.labels(model)
         self._local_routes = self.local_routes.labels(model)
+        self._arrivals = self.arrivals.labels(model)
+        self._arrival_tokens = self.arrival_prompt_tokens.labels(model)
+        self._queued_tokens = self.queued_prompt_tokens.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:
         """These metrics (same collectors and registry) labelled with `model`."""
@@ -112,6 +125,13 @@ class FrontendMetrics:
     def set_local_candidates(self, counts: dict[str, int]) -> None:
         for kind, count in counts.items():
             self.local_candidates.labels(self.model, kind).set(count)
+
+    def arrive(self, prompt_tokens: int) -> QueuedPrompt:
+        """Counts one generation as it arrives; its prompt waits (queued_prompt_tokens) until
+        the returned handle's `answered`."""
+        self._arrivals.inc()
+        self._arrival_tokens.inc(prompt_tokens)
+        return QueuedPrompt(self._queued_tokens, prompt_tokens)
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
         self._streamed.inc(num_tokens)
@@ -135,6 +155,20 @@ class FrontendMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class QueuedPrompt:
+    """One generation's prompt tokens in queued_prompt_tokens, taken out once (`answered`: its
+    first token, or its end without one)."""
+
+    def __init__(self, gauge: Gauge, tokens: int) -> None:
+        self._gauge, self._tokens = gauge, tokens
+        gauge.inc(tokens)
+
+    def answered(self) -> None:
+        if self._tokens:
+            self._gauge.dec(self._tokens)
+            self._tokens = 0
 
 
 class RequestTracker:

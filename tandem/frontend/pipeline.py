@@ -211,6 +211,7 @@ class Pipeline:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
         outcome, produced = "error", 0
         start = time.perf_counter()  # TTFT counts routing and prefill too
+        queued = self.metrics.arrive(len(req.prompt_token_ids))
         try:
             # Inside the try: a client gone during Route must still release what it counted.
             decision = await self._route(req)
@@ -218,6 +219,7 @@ class Pipeline:
                 req = dataclasses.replace(req, embeddings=await self._encode(req, decision))
             async with aclosing(self._stream(req, decision, start)) as deltas:
                 async for delta in deltas:
+                    queued.answered()
                     produced += len(delta.token_ids)
                     if delta.usage is not None:  # on the request's span (the consumer's)
                         tracing.annotate({tracing.INPUT_TOKENS: delta.usage.prompt_tokens,
@@ -228,6 +230,7 @@ class Pipeline:
             outcome = "cancelled"
             raise
         finally:
+            queued.answered()
             self.router.report_completion(req.request_id, outcome, produced)
 
     async def _route(self, req: GenerationRequest,

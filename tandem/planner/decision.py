@@ -18,8 +18,9 @@ Per pool, in the order of the config:
    that hysteresis was holding: a held worker gives way to one the load needs.
 
 Between intervals, `scale_up_now` only grows (fast up, slow down, as Kubernetes' HPA and KEDA
-do): the loop passes the load of the last interval with the requests in flight now, and a pool
-whose demand exceeds the workers it has by more than `scale_down_headroom` (a backlog, not the
+do): the loop passes the load of the last interval with the requests in flight and waiting for
+a first token now (and their prompt tokens), and a pool whose demand exceeds the workers it has
+by more than `scale_down_headroom` (a backlog, not the
 noise of a load at capacity: the same margin keeps an interval from shrinking a pool, so a
 worker added on it is not taken away at the next chance) gets what the demand asks for at once,
 within max_workers and the GPUs the budget has left (taken in the config's order; no pool is cut
@@ -139,8 +140,8 @@ class Decider:
     def scale_up_now(self, loads: Mapping[str, Load], models: Mapping[str, PoolModel]
                      ) -> Decision | None:
         """A fast scale-up between intervals (module docstring), or None when no pool's demand
-        for `loads` (the last interval's load with the requests in flight now) exceeds its
-        workers by more than the headroom, or none can grow. Raises as `decide`."""
+        for `loads` (the last interval's load with the requests in flight and waiting now)
+        exceeds its workers by more than the headroom, or none can grow. Raises as `decide`."""
         budget = self.config.gpu_budget
         free = budget - self._gpus({p: s.workers for p, s in self._states.items()}) if budget \
             else 1 << 30
@@ -155,7 +156,7 @@ class Decider:
             target = min(wanted, now + max(free, 0) // pool.gpus_per_worker) \
                 if backlog and wanted > now else now
             if target > now:
-                verdict = f"fast scale up {now} -> {target} on the requests in flight"
+                verdict = f"fast scale up {now} -> {target} on the backlog"
                 free -= (target - now) * pool.gpus_per_worker
                 state.workers, state.since_scale_up, grown = target, 0, True
             else:

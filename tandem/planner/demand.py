@@ -2,18 +2,24 @@
 carries within the pool's target, read from its profile as corrected by the live pool.
 
 - Prefill: prompt tokens per second (rate x mean ISL) / the tokens per second one worker takes
-  within the TTFT target at that ISL.
+  within the TTFT target at that ISL. The prompt tokens waiting for their first token are a
+  floor on it, by Little's law for the queue (tokens waiting = tokens per second x the wait):
+  to keep the wait within the target, the pool must take them at waiting / target. A pool that
+  keeps up has fewer waiting than that and the floor is below the rate; one that is swamped
+  (prompts much longer than those it was sized for, arriving in a burst) shows it at once,
+  where the arrival rate of a closed-loop load falls while its requests wait.
 - Decode: concurrent streams / the streams one worker decodes within the ITL target at the mean
   context length (ISL + OSL / 2: a stream holds its prompt and, on average over its life, half
   its output). The streams come from Little's law, L = lambda x W: requests arrive at lambda =
   rate, and each decodes for W = OSL x ITL. With W taken at the ITL target, L is the most
   streams the load can keep in flight while the pool meets its target (a faster pool finishes
   them sooner and holds fewer). The requests in flight at the interval's end, when they grew
-  over it, are a floor on it: while a burst queues on a saturated pool, few of its requests
-  reached their first token, so the rate (counted at the first token) reads low for an
-  interval or two, but every queued request is in flight. Not when they did not grow: streams
-  left running after a load stops need no new workers, and the pool may shrink under them
-  (its removed workers drain them).
+  over it, are a floor on it: a burst that begins late in an interval reads as its average
+  rate over the whole interval, but every one of its requests is in flight. Not when they did not
+  grow: streams left running after a load stops need no new workers, and the pool may shrink under
+  them (its removed workers drain them). The requests still waiting for their first token are a
+  floor too, grown or not: each will need a stream (in disaggregated pools they wait in the
+  prefill pool, and the decode pool must not shrink under them).
 - Aggregated: one worker does both, so its two shares add (a worker at 60% of its prefill
   capacity has 40% of its time left to decode). Linear, and so conservative where the engine
   overlaps prefill with decode.
@@ -114,22 +120,29 @@ def pool_demand(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> Demand
 
 
 def _prefill_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
-    demand = load.prompt_tokens_per_s
+    arriving = load.prompt_tokens_per_s
+    waiting = load.queued_prompt_tokens * 1000 / pool.ttft_target_ms
+    demand = max(arriving, waiting)
     capacity = model.prefill_capacity(load.mean_isl, pool.ttft_target_ms)
-    what = (f"{_num(demand)} prompt tok/s at ISL {load.mean_isl:.0f} over {_num(capacity)} tok/s "
-            f"per worker within TTFT {pool.ttft_target_ms:g} ms{_corrected(model.prefill)}")
+    source = "" if arriving >= waiting else (
+        f" ({_num(load.queued_prompt_tokens)} waiting for a first token / TTFT target; "
+        f"{_num(arriving)} arriving)")
+    what = (f"{_num(demand)} prompt tok/s{source} at ISL {load.mean_isl:.0f} over "
+            f"{_num(capacity)} tok/s per worker within TTFT {pool.ttft_target_ms:g} ms"
+            f"{_corrected(model.prefill)}")
     return _share(demand, capacity, what)
 
 
 def _decode_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
     little = concurrent_streams(load, pool.itl_target_ms)
-    demand = max(little, load.inflight)
+    demand = max(little, load.inflight, load.queued)
     context = decode_context_length(load)
     capacity = model.decode_capacity(context, pool.itl_target_ms)
-    source = (f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL "
-              f"{pool.itl_target_ms:g} ms" if little >= load.inflight else
-              f"in flight; {_num(little)} by {_num(load.request_rate)} req/s x OSL "
-              f"{load.mean_osl:.0f} x ITL {pool.itl_target_ms:g} ms")
+    rate = (f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL "
+            f"{pool.itl_target_ms:g} ms")
+    source = (rate if little >= max(load.inflight, load.queued) else
+              f"{'in flight' if load.inflight >= load.queued else 'waiting for a first token'}"
+              f"; {_num(little)} by {rate}")
     what = (f"{_num(demand)} streams ({source}) at context {context:.0f} "
             f"over {_num(capacity)} streams per worker within ITL {pool.itl_target_ms:g} ms"
             f"{_corrected(model.decode)}")

@@ -13,9 +13,10 @@ not answer is skipped, and the next complete round is compared with the last com
 page missing from one round would otherwise count its counters' whole values as new traffic).
 
 Between decisions, every `scale_up_check_s`, a backlog check reads the pages again: when the
-frontends' requests in flight are more than at the last decision, the last interval's load with
-them as its in-flight floor is put to the decider's fast scale-up (Decider.scale_up_now), which
-grows a pool whose workers cannot hold them (by more than the scale-down headroom). A step
+frontends' requests in flight, or the prompt tokens waiting for a first token, are more than at
+the last decision, the last interval's load with them as its floors (tandem.planner.demand) is
+put to the decider's fast scale-up (Decider.scale_up_now), which grows a pool whose workers
+cannot hold them (by more than the scale-down headroom). A step
 burst is so met within seconds, not at the next interval; the interval decisions stay the only
 ones that shrink a pool.
 """
@@ -41,6 +42,7 @@ from tandem.planner.observe import (
     frontend_interval,
     inflight_requests,
     pool_loads,
+    queued_load,
 )
 from tandem.planner.predictor import Load, LoadPredictor
 from tandem.planner.removal import RemovalCost, pool_workers, removal_order
@@ -114,9 +116,11 @@ class PlannerLoop:
             return None
         before = inflight_requests(self._baseline, self.model_name)
         now = inflight_requests(round_.scrape, self.model_name)
-        if now <= before:
+        queued, queued_tokens = queued_load(round_.scrape, self.model_name)
+        if now <= before and queued_tokens <= queued_load(self._baseline, self.model_name)[1]:
             return None
-        load = dataclasses.replace(self._last_load, inflight=now)
+        load = dataclasses.replace(self._last_load, inflight=now if now > before else 0.0,
+                                   queued=queued, queued_prompt_tokens=queued_tokens)
         decision = self.decider.scale_up_now(
             {p.name: _scaled(load, self._shares.get(p.name, 1.0)) for p in self.plan.pools},
             self.models)
@@ -150,10 +154,11 @@ class PlannerLoop:
             self._note("took its first metrics; decides after one interval")
             return None
         seen = frontend_interval(before, after, self.model_name)
-        self.predictor.observe(seen.request_rate, seen.mean_isl, seen.mean_osl)
+        self.predictor.observe(seen.sizing_rate, seen.sizing_isl, seen.mean_osl)
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
-        load = dataclasses.replace(predicted, inflight=seen.backlog)
+        load = dataclasses.replace(predicted, inflight=seen.backlog, queued=seen.num_queued,
+                                   queued_prompt_tokens=seen.queued_prompt_tokens)
         self._last_load = predicted
         actual = await self.connector.actual()
         if self.decider is None:  # a (re)started planner takes the deployment as it is
@@ -261,8 +266,9 @@ def _worker_gauges(load: PoolLoad | None) -> dict[str, float]:
 
 
 def _scaled(load: Load, share: float) -> Load:
-    return load if share == 1.0 else Load(load.request_rate * share, load.mean_isl,
-                                          load.mean_osl, load.inflight * share)
+    return load if share == 1.0 else Load(
+        load.request_rate * share, load.mean_isl, load.mean_osl, load.inflight * share,
+        load.queued * share, load.queued_prompt_tokens * share)
 
 
 def _streams_per_worker(pool: PlannerPoolConfig, seen: FrontendInterval, rate: float, num: int,

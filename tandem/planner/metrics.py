@@ -27,8 +27,8 @@ class PlannerMetrics:
         self.decisions = Counter("tandem_planner_decisions", "Decisions per pool, by change: "
                                  "up, down or none", ("pool", "change"), registry=r)
         self.fast_scale_ups = Counter("tandem_planner_fast_scale_ups", "Pools grown between "
-                                      "intervals on the requests in flight (a backlog check)",
-                                      ("pool",), registry=r)
+                                      "intervals on the requests in flight or waiting (a "
+                                      "backlog check)", ("pool",), registry=r)
         self.predicted_rate = Gauge("tandem_planner_predicted_request_rate", "Requests per "
                                     "second the planner predicts for the next interval",
                                     registry=r)

@@ -14,7 +14,12 @@ The metrics used, by the names the services export them under:
   started streaming: the arrival rate, a TTFT later), ``..._inter_token_latency_seconds``
   (histogram, one observation per streamed chunk), ``..._input_sequence_tokens`` and
   ``..._output_sequence_tokens`` (histograms, one observation per finished request),
-  ``tandem_frontend_requests_total`` (finished requests), ``tandem_frontend_inflight_requests``;
+  ``tandem_frontend_requests_total`` (finished requests), ``tandem_frontend_inflight_requests``,
+  ``tandem_frontend_arrivals_total`` and ``..._arrival_prompt_tokens_total`` (generations and
+  their prompt tokens as they arrive: the rate and ISL the pools are sized for, known before
+  any of them is answered; a frontend without them, an older one, is read by its first
+  tokens and finished requests instead), ``tandem_frontend_queued_requests`` and
+  ``..._queued_prompt_tokens`` (not yet answered with a first token);
 - workers (tandem.runtime.worker_metrics), label ``worker``:
   ``tandem_worker_requests_running``, ``..._requests_waiting``, ``..._kv_blocks_used``,
   ``..._kv_blocks_total``;
@@ -33,6 +38,10 @@ ISL = "tandem_frontend_input_sequence_tokens"
 OSL = "tandem_frontend_output_sequence_tokens"
 REQUESTS = "tandem_frontend_requests"
 INFLIGHT = "tandem_frontend_inflight_requests"
+ARRIVALS = "tandem_frontend_arrivals"
+ARRIVAL_TOKENS = "tandem_frontend_arrival_prompt_tokens"
+QUEUED = "tandem_frontend_queued_requests"
+QUEUED_TOKENS = "tandem_frontend_queued_prompt_tokens"
 RUNNING = "tandem_worker_requests_running"
 WAITING = "tandem_worker_requests_waiting"
 KV_USED = "tandem_worker_kv_blocks_used"
@@ -61,6 +70,27 @@ class FrontendInterval:
     #: Requests being served at the later scrape, and at the earlier one.
     num_inflight: float
     num_inflight_before: float = 0.0
+    #: Generations that arrived, per second, and their mean prompt length (tokens); None
+    #: from a frontend that does not count arrivals, the mean also when none arrived.
+    arrival_rate: float | None = None
+    mean_arrival_isl: float | None = None
+    #: Requests, and their prompt tokens, not yet answered with a first token at the later
+    #: scrape.
+    num_queued: float = 0.0
+    queued_prompt_tokens: float = 0.0
+
+    @property
+    def sizing_rate(self) -> float:
+        """The request rate the pools are sized for: counted at arrival where the frontends
+        count arrivals (a burst queued on a saturated pool reaches few first tokens), else at
+        the first token."""
+        return self.request_rate if self.arrival_rate is None else self.arrival_rate
+
+    @property
+    def sizing_isl(self) -> float | None:
+        """The prompt length the pools are sized for: the arriving requests' where known (a
+        shift to longer prompts shows at once, not as they finish), else the finished ones'."""
+        return self.mean_isl if self.mean_arrival_isl is None else self.mean_arrival_isl
 
     @property
     def backlog(self) -> float:
@@ -79,6 +109,9 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
     match = None if model is None else {"model": model}
     ttft, itl = (histogram_increase(before, after, n, match) for n in (TTFT, ITL))
     isl, osl = (histogram_increase(before, after, n, match) for n in (ISL, OSL))
+    counts_arrivals = bool(after.gauges(ARRIVALS + "_total", match))
+    arrived = counter_increase(before, after, ARRIVALS, match)
+    arrived_tokens = counter_increase(before, after, ARRIVAL_TOKENS, match)
     return FrontendInterval(
         duration_s=duration,
         request_rate=ttft.count / duration,
@@ -90,13 +123,28 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
         mean_ttft_ms=_ms(ttft.mean),
         mean_itl_ms=_ms(itl.mean),
         num_inflight=inflight_requests(after, model),
-        num_inflight_before=inflight_requests(before, model))
+        num_inflight_before=inflight_requests(before, model),
+        arrival_rate=arrived / duration if counts_arrivals else None,
+        mean_arrival_isl=arrived_tokens / arrived if counts_arrivals and arrived else None,
+        num_queued=_gauge_sum(after, QUEUED, match),
+        queued_prompt_tokens=_gauge_sum(after, QUEUED_TOKENS, match))
 
 
 def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
     """Requests the frontends were serving at the scrape (queued and streaming), for one served
     `model` (None: all)."""
-    return sum(scrape.gauges(INFLIGHT, None if model is None else {"model": model}).values())
+    return _gauge_sum(scrape, INFLIGHT, None if model is None else {"model": model})
+
+
+def queued_load(scrape: Scrape, model: str | None = None) -> tuple[float, float]:
+    """Requests, and their prompt tokens, the frontends had waiting for a first token at the
+    scrape, for one served `model` (None: all)."""
+    match = None if model is None else {"model": model}
+    return _gauge_sum(scrape, QUEUED, match), _gauge_sum(scrape, QUEUED_TOKENS, match)
+
+
+def _gauge_sum(scrape: Scrape, name: str, match: Mapping[str, str] | None) -> float:
+    return sum(scrape.gauges(name, match).values())
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ class Load:
     #: when they grew over it (FrontendInterval.backlog); not predicted, set by the loop from
     #: the last interval; 0 when unknown or not growing.
     inflight: float = 0.0
+    #: Requests, and their prompt tokens, waiting for a first token at the interval's end (the
+    #: frontends' gauges); not predicted, set by the loop like `inflight`.
+    queued: float = 0.0
+    queued_prompt_tokens: float = 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:

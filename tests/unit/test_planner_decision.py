@@ -63,10 +63,9 @@ def test_demand_matches_the_hand_computed_figures() -> None:
 
 
 def test_requests_in_flight_are_a_floor_on_the_decode_streams() -> None:
-    """A burst queued on a saturated pool: few of its requests reached their first token, so
-    the rate reads 4 req/s (16 streams by Little's law, 0.4 workers), but 120 are in flight:
-    3 workers. Prefill is sized on the rate alone (the queued prompts are counted when they
-    arrive at it)."""
+    """A burst late in an interval: the rate averaged over the interval reads 4 req/s (16
+    streams by Little's law, 0.4 workers), but 120 are in flight: 3 workers. Prefill is sized
+    on the rate alone (none of them waits for a first token here)."""
     config = disagg()
     burst = Load(4, 1000, 100, inflight=120)
     prefill, decode = Decider(config).decide(same_load(config, burst), models(config)).pools
@@ -78,6 +77,27 @@ def test_requests_in_flight_are_a_floor_on_the_decode_streams() -> None:
     calm = Load(16, 1000, 100, inflight=30)
     assert Decider(config).decide(same_load(config, calm), models(config)).pools[1].demand \
         == pytest.approx(1.6)
+
+
+def test_prompts_waiting_for_a_first_token_are_a_floor_on_both_pools() -> None:
+    """Longer prompts than the prefill pool was sized for: 16 of them wait (16,000 tokens),
+    and the closed-loop load's arrival rate fell to 1 req/s meanwhile. Prefill must take the
+    waiting tokens within the TTFT target, 16,000 / 0.4 s = 40,000 tok/s over 7,500 per worker:
+    5.33 workers; decode must hold the 16 streams they will become, not the 4 of the rate."""
+    config = disagg()
+    swamped = Load(1, 1000, 100, queued=16, queued_prompt_tokens=16000)
+    prefill, decode = Decider(config).decide(same_load(config, swamped), models(config)).pools
+    assert prefill.demand == pytest.approx(40000 / 7500) and prefill.target == 6
+    assert ("40000 prompt tok/s (16000 waiting for a first token / TTFT target; 1000 "
+            "arriving) at ISL 1000") in prefill.reason
+    assert decode.demand == pytest.approx(16 / 40)
+    assert "16 streams (waiting for a first token; 4 by 1 req/s x OSL 100" in decode.reason
+    # A pool that keeps up has fewer waiting than its rate takes in a TTFT target (2,000
+    # tokens against 16 x 1000 x 0.4 s): the rate decides, as without the floors.
+    calm = Load(16, 1000, 100, queued=2, queued_prompt_tokens=2000)
+    prefill, decode = Decider(config).decide(same_load(config, calm), models(config)).pools
+    assert prefill.demand == pytest.approx(16 / 7.5) and decode.demand == pytest.approx(1.6)
+    assert "waiting" not in prefill.reason + decode.reason
 
 
 def test_an_exact_demand_is_not_rounded_up_by_float_error() -> None:
@@ -260,7 +280,7 @@ def test_a_backlog_grows_a_pool_between_intervals() -> None:
         "prefill": 2, "decode": 3}
     prefill, decode = decision.pools
     assert not prefill.is_change and decode.previous == 1
-    assert decode.reason.startswith("fast scale up 1 -> 3 on the requests in flight: 120 "
+    assert decode.reason.startswith("fast scale up 1 -> 3 on the backlog: 120 "
                                     "streams (in flight;")
     assert decision.summary() == "fast scale-up after interval 0: prefill 2, decode 1 -> 3; 5 GPUs"
     assert fast(decider, 10, inflight=120) is None  # grown already: nothing more to do

@@ -50,9 +50,11 @@ class Pages:
         self.down: set[str] = set()
 
     def serve(self, requests: int, osl: int = 50) -> None:
-        for _ in range(requests):
+        for _ in range(requests):  # as the frontend's pipeline counts them
             tracker = self.frontend.track("completions")
+            queued = self.frontend.arrive(4)
             self.frontend.observe_chunk(0.01, 0.0, 1)
+            queued.answered()
             tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=osl))
 
     async def round(self) -> Round:
@@ -197,6 +199,41 @@ async def test_a_backlog_grows_the_pool_between_intervals(tmp_path: pathlib.Path
     assert decision.pools[0].reason.startswith("steady at 3")
     for tracker in queued:
         tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=50))
+
+
+async def test_longer_prompts_waiting_grow_the_prefill_pool_between_intervals() -> None:
+    """The ISL shift under a closed-loop load: as many requests in flight as at the last
+    decision (each stream sends its next when its last ends), but their prompts are now 4,000
+    tokens, not 10, and wait for their first token. The prompt tokens waiting grew: the check
+    sizes prefill from them (16,000 within TTFT 1 s over 4,000 tok/s per worker: 4) at once,
+    and decode keeps the four streams they will become."""
+    profile = profile_from_dict({
+        "version": 1, "engine": "mock", "model": "t", "gpus_per_worker": 1,
+        "prefill": [{"isl": 4000, "tokens_per_s": 1000, "ttft_ms": 100},
+                    {"isl": 4000, "tokens_per_s": 4000, "ttft_ms": 1000}],
+        "decode": [{"context_length": 1, "batch_size": 1, "itl_ms": 5},
+                   {"context_length": 1, "batch_size": 10, "itl_ms": 50}]})
+    config = planner_config_from_dict({
+        "interval_s": 2, "correction_alpha": 0, "predictor_window": 1, "pools": [
+            {"name": "prefill", "role": "prefill", "ttft_target_ms": 1000, "max_workers": 8},
+            {"name": "decode", "role": "decode", "itl_target_ms": 20, "max_workers": 8}]})
+    pages, connector = Pages(), Recorded({"prefill": 1, "decode": 1})
+    loop = PlannerLoop(config, {p.name: PoolModel(profile) for p in config.pools}, connector,
+                       pages, [FRONTEND], PlannerMetrics())  # type: ignore[arg-type]
+    await loop.step()
+    waiting = [(pages.frontend.track("completions"), pages.frontend.arrive(10))
+               for _ in range(4)]
+    assert (await loop.step()).targets() == {"prefill": 1, "decode": 1}  # type: ignore[union-attr]
+    assert await loop.check_backlog() is None  # nothing grew
+    for tracker, queued in waiting:  # answered; the streams' next requests arrive
+        queued.answered()
+        tracker.finish("200", Usage(prompt_tokens=10, completion_tokens=50))
+    waiting = [(pages.frontend.track("completions"), pages.frontend.arrive(4000))
+               for _ in range(4)]
+    fast = await loop.check_backlog()
+    assert fast is not None and fast.targets() == {"prefill": 4, "decode": 1}
+    assert "16000 waiting for a first token" in fast.pools[0].reason
+    assert connector.calls == [("prefill", 4, [])]
 
 
 async def test_the_loop_checks_the_backlog_between_its_intervals() -> None:

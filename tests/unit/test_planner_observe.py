@@ -27,8 +27,10 @@ from tandem.runtime.worker_metrics import WorkerMetrics
 
 def _serve(metrics: FrontendMetrics, ttft_s: float, itl_s: list[float], isl: int,
            osl: int) -> None:
-    """One streamed request through the frontend's own accounting."""
+    """One streamed request through the frontend's own accounting (the pipeline's share:
+    arrival, first token)."""
     tracker = metrics.track("chat_completions")
+    metrics.arrive(isl).answered()
     metrics.observe_chunk(ttft_s, 0.0, 1)
     for gap in itl_s:
         metrics.observe_chunk(None, gap, 1)
@@ -73,6 +75,43 @@ def test_an_interval_of_frontend_traffic() -> None:
     assert frontend_interval(after, parse_scrape({"frontend-0": _page(FrontendMetrics("demo"))},
                                                  time_s=130.0), model="demo").backlog == 0
     assert frontend_interval(before, after, model="other").request_rate == 0
+
+
+def test_arrivals_size_the_load_before_any_of_it_is_answered() -> None:
+    metrics = FrontendMetrics("demo")
+    for _ in range(6):
+        _serve(metrics, 0.01, [], isl=200, osl=10)
+    pages = [_page(metrics)]
+    for _ in range(2):
+        _serve(metrics, 0.01, [], isl=200, osl=10)
+    # Then the prompts grow: 3 arrive and wait (routing, prefill), one answered since.
+    waiting = [metrics.arrive(4000) for _ in range(3)]
+    waiting[0].answered()
+    pages.append(_page(metrics))
+    before, after = (parse_scrape({"frontend-0": page}, t) for page, t in zip(pages, (0, 10)))
+    seen = frontend_interval(before, after, model="demo")
+    # Counted at the first token and at the end: 2 requests, ISL 200.
+    assert seen.request_rate == pytest.approx(2 / 10) and seen.mean_isl == pytest.approx(200)
+    # Counted as they arrived: 5 generations, ISL (2 x 200 + 3 x 4000) / 5.
+    assert seen.arrival_rate == pytest.approx(5 / 10)
+    assert seen.mean_arrival_isl == pytest.approx(2480)
+    assert (seen.sizing_rate, seen.sizing_isl) == (seen.arrival_rate, seen.mean_arrival_isl)
+    assert seen.queued_prompt_tokens == 8000
+    # Answered once only, whichever way it ends.
+    waiting[0].answered()
+    assert frontend_interval(before, parse_scrape({"frontend-0": _page(metrics)}, 10.0),
+                             "demo").queued_prompt_tokens == 8000
+    # A frontend that does not count arrivals (an older one): first tokens and finished
+    # requests, as before.
+    older = [parse_scrape({"frontend-0": "\n".join(
+        line for line in page.splitlines()
+        if "arrival" not in line and "queued_prompt" not in line) + "\n"}, t)
+        for page, t in zip(pages, (0, 10))]
+    seen = frontend_interval(*older, model="demo")
+    assert seen.request_rate == pytest.approx(2 / 10)
+    assert seen.arrival_rate is None and seen.mean_arrival_isl is None
+    assert seen.queued_prompt_tokens == 0
+    assert (seen.sizing_rate, seen.sizing_isl) == (seen.request_rate, seen.mean_isl)
 
 
 def test_an_interval_without_traffic_has_no_means() -> None:
