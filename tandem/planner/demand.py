@@ -13,13 +13,15 @@ carries within the pool's target, read from its profile as corrected by the live
   its output). The streams come from Little's law, L = lambda x W: requests arrive at lambda =
   rate, and each decodes for W = OSL x ITL. With W taken at the ITL target, L is the most
   streams the load can keep in flight while the pool meets its target (a faster pool finishes
-  them sooner and holds fewer). The requests in flight at the interval's end, when they grew
-  over it, are a floor on it: a burst that begins late in an interval reads as its average
-  rate over the whole interval, but every one of its requests is in flight. Not when they did not
-  grow: streams left running after a load stops need no new workers, and the pool may shrink under
-  them (its removed workers drain them). The requests still waiting for their first token are a
-  floor too, grown or not: each will need a stream (in disaggregated pools they wait in the
-  prefill pool, and the decode pool must not shrink under them).
+  them sooner and holds fewer). The requests in flight at the interval's end are a floor on it
+  while the load goes on (some arrived in the interval, or wait for a first token): a burst
+  that begins late in an interval reads as its average rate over the whole interval, and a
+  closed-loop load on a pool too small for it reads low (its users wait longer, so they send
+  less: the rate falls as the pool falls behind, as when its prompts grow longer), but every
+  one of their requests is in flight, and those waiting for a first token each need a stream
+  soon (in disaggregated pools they wait in the prefill pool: the decode pool must not shrink
+  under them). Not once the load stopped: streams left running then need no new workers, and
+  the pool may shrink under them (its removed workers drain them).
 - Aggregated: one worker does both, so its two shares add (a worker at 60% of its prefill
   capacity has 40% of its time left to decode). Linear, and so conservative where the engine
   overlaps prefill with decode.
@@ -135,14 +137,12 @@ def _prefill_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tup
 
 def _decode_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
     little = concurrent_streams(load, pool.itl_target_ms)
-    demand = max(little, load.inflight, load.queued)
+    demand = max(little, load.inflight)
     context = decode_context_length(load)
     capacity = model.decode_capacity(context, pool.itl_target_ms)
     rate = (f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL "
             f"{pool.itl_target_ms:g} ms")
-    source = (rate if little >= max(load.inflight, load.queued) else
-              f"{'in flight' if load.inflight >= load.queued else 'waiting for a first token'}"
-              f"; {_num(little)} by {rate}")
+    source = rate if little >= load.inflight else f"in flight; {_num(little)} by {rate}"
     what = (f"{_num(demand)} streams ({source}) at context {context:.0f} "
             f"over {_num(capacity)} streams per worker within ITL {pool.itl_target_ms:g} ms"
             f"{_corrected(model.decode)}")

@@ -42,7 +42,7 @@ from tandem.planner.observe import (
     frontend_interval,
     inflight_requests,
     pool_loads,
-    queued_load,
+    queued_prompt_tokens,
 )
 from tandem.planner.predictor import Load, LoadPredictor
 from tandem.planner.removal import RemovalCost, pool_workers, removal_order
@@ -116,11 +116,12 @@ class PlannerLoop:
             return None
         before = inflight_requests(self._baseline, self.model_name)
         now = inflight_requests(round_.scrape, self.model_name)
-        queued, queued_tokens = queued_load(round_.scrape, self.model_name)
-        if now <= before and queued_tokens <= queued_load(self._baseline, self.model_name)[1]:
+        queued_tokens = queued_prompt_tokens(round_.scrape, self.model_name)
+        if now <= before and queued_tokens <= queued_prompt_tokens(self._baseline,
+                                                                  self.model_name):
             return None
-        load = dataclasses.replace(self._last_load, inflight=now if now > before else 0.0,
-                                   queued=queued, queued_prompt_tokens=queued_tokens)
+        load = dataclasses.replace(self._last_load, inflight=now,
+                                   queued_prompt_tokens=queued_tokens)
         decision = self.decider.scale_up_now(
             {p.name: _scaled(load, self._shares.get(p.name, 1.0)) for p in self.plan.pools},
             self.models)
@@ -157,7 +158,7 @@ class PlannerLoop:
         self.predictor.observe(seen.sizing_rate, seen.sizing_isl, seen.mean_osl)
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
-        load = dataclasses.replace(predicted, inflight=seen.backlog, queued=seen.num_queued,
+        load = dataclasses.replace(predicted, inflight=seen.inflight_floor,
                                    queued_prompt_tokens=seen.queued_prompt_tokens)
         self._last_load = predicted
         actual = await self.connector.actual()
@@ -268,7 +269,7 @@ def _worker_gauges(load: PoolLoad | None) -> dict[str, float]:
 def _scaled(load: Load, share: float) -> Load:
     return load if share == 1.0 else Load(
         load.request_rate * share, load.mean_isl, load.mean_osl, load.inflight * share,
-        load.queued * share, load.queued_prompt_tokens * share)
+        load.queued_prompt_tokens * share)
 
 
 def _streams_per_worker(pool: PlannerPoolConfig, seen: FrontendInterval, rate: float, num: int,

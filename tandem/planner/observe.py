@@ -93,10 +93,14 @@ class FrontendInterval:
         return self.mean_isl if self.mean_arrival_isl is None else self.mean_arrival_isl
 
     @property
-    def backlog(self) -> float:
-        """The requests in flight at the later scrape when more than at the earlier (a load
-        arriving faster than it is served, as a burst queued on a saturated pool); else 0."""
-        return self.num_inflight if self.num_inflight > self.num_inflight_before else 0.0
+    def inflight_floor(self) -> float:
+        """The requests in flight at the later scrape while the load goes on: some arrived in
+        the interval (were answered, with a frontend that does not count arrivals), grew in
+        number, or still wait for a first token. 0 once it stopped (the planner's floor on
+        decode streams, tandem.planner.demand)."""
+        going_on = (self.sizing_rate > 0 or self.num_inflight > self.num_inflight_before
+                    or self.num_queued > 0)
+        return self.num_inflight if going_on else 0.0
 
 
 def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
@@ -136,11 +140,10 @@ def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
     return _gauge_sum(scrape, INFLIGHT, None if model is None else {"model": model})
 
 
-def queued_load(scrape: Scrape, model: str | None = None) -> tuple[float, float]:
-    """Requests, and their prompt tokens, the frontends had waiting for a first token at the
-    scrape, for one served `model` (None: all)."""
-    match = None if model is None else {"model": model}
-    return _gauge_sum(scrape, QUEUED, match), _gauge_sum(scrape, QUEUED_TOKENS, match)
+def queued_prompt_tokens(scrape: Scrape, model: str | None = None) -> float:
+    """Prompt tokens the frontends had waiting for a first token at the scrape, for one served
+    `model` (None: all)."""
+    return _gauge_sum(scrape, QUEUED_TOKENS, None if model is None else {"model": model})
 
 
 def _gauge_sum(scrape: Scrape, name: str, match: Mapping[str, str] | None) -> float:

@@ -27,12 +27,11 @@ class Load:
     #: Mean generated length, tokens.
     mean_osl: float
     #: Requests in flight at the interval's end (the frontends' gauge: decoding and queued)
-    #: when they grew over it (FrontendInterval.backlog); not predicted, set by the loop from
-    #: the last interval; 0 when unknown or not growing.
+    #: while the load goes on (FrontendInterval.inflight_floor); not predicted, set by the loop
+    #: from the last interval; 0 when unknown or once the load stopped.
     inflight: float = 0.0
-    #: Requests, and their prompt tokens, waiting for a first token at the interval's end (the
-    #: frontends' gauges); not predicted, set by the loop like `inflight`.
-    queued: float = 0.0
+    #: Prompt tokens waiting for a first token at the interval's end (the frontends' gauge);
+    #: not predicted, set by the loop like `inflight`.
     queued_prompt_tokens: float = 0.0
 
     @property

@@ -69,11 +69,11 @@ def test_an_interval_of_frontend_traffic() -> None:
     # (0.25, 0.5] holding 31..40: 0.25 + 0.25 * (36 - 30) / 10.
     assert seen.itl_ms == pytest.approx(400)
     assert seen.num_inflight == 1 and seen.num_inflight_before == 0
-    # More in flight than at the interval's start: a backlog (the planner's floor on streams);
-    # the other way round, none.
-    assert seen.backlog == 1
+    # Requests came in: the load goes on, and what is in flight is the planner's floor on
+    # streams; an interval in which none came, none grew and none waits: the load stopped.
+    assert seen.inflight_floor == 1
     assert frontend_interval(after, parse_scrape({"frontend-0": _page(FrontendMetrics("demo"))},
-                                                 time_s=130.0), model="demo").backlog == 0
+                                                 time_s=130.0), model="demo").inflight_floor == 0
     assert frontend_interval(before, after, model="other").request_rate == 0
 
 
@@ -112,6 +112,25 @@ def test_arrivals_size_the_load_before_any_of_it_is_answered() -> None:
     assert seen.arrival_rate is None and seen.mean_arrival_isl is None
     assert seen.queued_prompt_tokens == 0
     assert (seen.sizing_rate, seen.sizing_isl) == (seen.request_rate, seen.mean_isl)
+
+
+def test_what_is_in_flight_is_a_floor_while_the_load_goes_on() -> None:
+    """A closed-loop load stalled on a pool too small for it: its 3 users all wait (1 for a
+    first token), so nothing arrives and nothing grows, yet the load goes on: floor 3. Once
+    the one waiting is answered and nothing more arrives, the load stopped (the 2 left are
+    streams running out): no floor."""
+    metrics = FrontendMetrics("demo")
+    users = [(metrics.track("chat_completions"), metrics.arrive(100)) for _ in range(3)]
+    for tracker, queued in users[1:]:  # answered: the pipeline's share and the route's
+        queued.answered()
+        tracker.first_token()
+    stalled = parse_scrape({"f": _page(metrics)}, 0)
+    again = parse_scrape({"f": _page(metrics)}, 10)
+    seen = frontend_interval(stalled, again)
+    assert seen.sizing_rate == 0 and seen.num_queued == 1 and seen.inflight_floor == 3
+    users[0][1].answered()  # the route's share is in finish
+    users[0][0].finish("200", Usage(prompt_tokens=100, completion_tokens=1))
+    assert frontend_interval(again, parse_scrape({"f": _page(metrics)}, 20)).inflight_floor == 0
 
 
 def test_an_interval_without_traffic_has_no_means() -> None:
