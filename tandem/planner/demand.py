@@ -122,31 +122,45 @@ def pool_demand(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> Demand
 
 
 def _prefill_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
+    """The arriving prompts' share, or the waiting ones' where it is more: those read the
+    profile at their own mean length (longer prompts than the interval's mean: a pool is
+    swamped by prompts longer than it was sized for)."""
+    target, corrected = pool.ttft_target_ms, _corrected(model.prefill)
+    capacity = model.prefill_capacity(load.mean_isl, target)
     arriving = load.prompt_tokens_per_s
-    waiting = load.queued_prompt_tokens * 1000 / pool.ttft_target_ms
-    demand = max(arriving, waiting)
-    capacity = model.prefill_capacity(load.mean_isl, pool.ttft_target_ms)
-    source = "" if arriving >= waiting else (
-        f" ({_num(load.queued_prompt_tokens)} waiting for a first token / TTFT target; "
-        f"{_num(arriving)} arriving)")
-    what = (f"{_num(demand)} prompt tok/s{source} at ISL {load.mean_isl:.0f} over "
-            f"{_num(capacity)} tok/s per worker within TTFT {pool.ttft_target_ms:g} ms"
-            f"{_corrected(model.prefill)}")
-    return _share(demand, capacity, what)
+    share = _share(arriving, capacity, f"{_num(arriving)} prompt tok/s at ISL "
+                   f"{load.mean_isl:.0f} over {_num(capacity)} tok/s per worker within TTFT "
+                   f"{target:g} ms{corrected}")
+    if not load.queued_prompt_tokens:
+        return share
+    waiting = load.queued_prompt_tokens * 1000 / target
+    capacity = model.prefill_capacity(load.waiting_isl, target)
+    floor = _share(waiting, capacity, f"{_num(waiting)} prompt tok/s to take the "
+                   f"{_num(load.queued_prompt_tokens)} waiting for a first token at ISL "
+                   f"{load.waiting_isl:.0f} within TTFT {target:g} ms ({_num(arriving)} "
+                   f"arriving) over {_num(capacity)} tok/s per worker{corrected}")
+    return floor if floor[0] > share[0] else share
 
 
 def _decode_share(pool: PlannerPoolConfig, model: PoolModel, load: Load) -> tuple[float, str]:
-    little = concurrent_streams(load, pool.itl_target_ms)
-    demand = max(little, load.inflight)
+    """Little's law's streams, or those in flight where they need more workers; these at the
+    context of the prompts waiting where that is longer (they will be decoded at it)."""
+    target, corrected = pool.itl_target_ms, _corrected(model.decode)
+    little = concurrent_streams(load, target)
+    rate = f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL {target:g} ms"
     context = decode_context_length(load)
-    capacity = model.decode_capacity(context, pool.itl_target_ms)
-    rate = (f"{_num(load.request_rate)} req/s x OSL {load.mean_osl:.0f} x ITL "
-            f"{pool.itl_target_ms:g} ms")
-    source = rate if little >= load.inflight else f"in flight; {_num(little)} by {rate}"
-    what = (f"{_num(demand)} streams ({source}) at context {context:.0f} "
-            f"over {_num(capacity)} streams per worker within ITL {pool.itl_target_ms:g} ms"
-            f"{_corrected(model.decode)}")
-    return _share(demand, capacity, what)
+    capacity = model.decode_capacity(context, target)
+    share = _share(little, capacity, f"{_num(little)} streams ({rate}) at context "
+                   f"{context:.0f} over {_num(capacity)} streams per worker within ITL "
+                   f"{target:g} ms{corrected}")
+    if load.inflight <= little and load.waiting_isl <= load.mean_isl:
+        return share
+    context = max(context, load.waiting_isl + load.mean_osl / 2)
+    capacity = model.decode_capacity(context, target)
+    floor = _share(load.inflight, capacity, f"{_num(load.inflight)} streams (in flight; "
+                   f"{_num(little)} by {rate}) at context {context:.0f} over {_num(capacity)} "
+                   f"streams per worker within ITL {target:g} ms{corrected}")
+    return floor if floor[0] > share[0] else share
 
 
 def _share(demand: float, capacity: float, what: str) -> tuple[float, str]:

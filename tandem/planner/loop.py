@@ -42,7 +42,7 @@ from tandem.planner.observe import (
     frontend_interval,
     inflight_requests,
     pool_loads,
-    queued_prompt_tokens,
+    queued_load,
 )
 from tandem.planner.predictor import Load, LoadPredictor
 from tandem.planner.removal import RemovalCost, pool_workers, removal_order
@@ -116,11 +116,10 @@ class PlannerLoop:
             return None
         before = inflight_requests(self._baseline, self.model_name)
         now = inflight_requests(round_.scrape, self.model_name)
-        queued_tokens = queued_prompt_tokens(round_.scrape, self.model_name)
-        if now <= before and queued_tokens <= queued_prompt_tokens(self._baseline,
-                                                                  self.model_name):
+        queued, queued_tokens = queued_load(round_.scrape, self.model_name)
+        if now <= before and queued_tokens <= queued_load(self._baseline, self.model_name)[1]:
             return None
-        load = dataclasses.replace(self._last_load, inflight=now,
+        load = dataclasses.replace(self._last_load, inflight=now, queued=queued,
                                    queued_prompt_tokens=queued_tokens)
         decision = self.decider.scale_up_now(
             {p.name: _scaled(load, self._shares.get(p.name, 1.0)) for p in self.plan.pools},
@@ -158,7 +157,7 @@ class PlannerLoop:
         self.predictor.observe(seen.sizing_rate, seen.sizing_isl, seen.mean_osl)
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
-        load = dataclasses.replace(predicted, inflight=seen.inflight_floor,
+        load = dataclasses.replace(predicted, inflight=seen.inflight_floor, queued=seen.num_queued,
                                    queued_prompt_tokens=seen.queued_prompt_tokens)
         self._last_load = predicted
         actual = await self.connector.actual()
@@ -184,15 +183,22 @@ class PlannerLoop:
     def _refine(self, seen: FrontendInterval, actual: Mapping[str, int],
                 workers: Mapping[str, Mapping[str, RemovalCost]],
                 shares: Mapping[str, float]) -> None:
-        """Each pool's model corrected by what its workers showed this interval."""
+        """Each pool's model corrected by what its workers showed this interval. Not the
+        prefill side of an interval that ended with more prompt tokens waiting than the pool
+        took within its TTFT target (at the rate it answered them): its TTFT is that queue's,
+        which the floor on waiting tokens sizes for, not the workers' speed (taken for it, a
+        burst of long prompts made the profile's lightest load miss the target)."""
         alpha = self.plan.correction_alpha
         for pool in self.plan.pools:
             num = actual.get(pool.name, 0)
-            rate = seen.request_rate * shares[pool.name]
+            share = shares[pool.name]
+            rate = seen.request_rate * share
             if not alpha or num <= 0 or rate <= 0 or seen.mean_isl is None:
                 continue
             model = self.models[pool.name]
-            if pool.uses_prefill and seen.ttft_ms is not None:
+            answered = rate * seen.mean_isl * pool.ttft_target_ms / 1000
+            if pool.uses_prefill and seen.ttft_ms is not None \
+                    and seen.queued_prompt_tokens * share <= answered:
                 model = model.refined_prefill(seen.mean_isl, rate * seen.mean_isl / num,
                                               seen.ttft_ms, alpha)
             if pool.uses_decode and seen.itl_ms is not None and seen.mean_osl is not None:
@@ -269,7 +275,7 @@ def _worker_gauges(load: PoolLoad | None) -> dict[str, float]:
 def _scaled(load: Load, share: float) -> Load:
     return load if share == 1.0 else Load(
         load.request_rate * share, load.mean_isl, load.mean_osl, load.inflight * share,
-        load.queued_prompt_tokens * share)
+        load.queued * share, load.queued_prompt_tokens * share)
 
 
 def _streams_per_worker(pool: PlannerPoolConfig, seen: FrontendInterval, rate: float, num: int,

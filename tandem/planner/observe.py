@@ -140,10 +140,11 @@ def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
     return _gauge_sum(scrape, INFLIGHT, None if model is None else {"model": model})
 
 
-def queued_prompt_tokens(scrape: Scrape, model: str | None = None) -> float:
-    """Prompt tokens the frontends had waiting for a first token at the scrape, for one served
-    `model` (None: all)."""
-    return _gauge_sum(scrape, QUEUED_TOKENS, None if model is None else {"model": model})
+def queued_load(scrape: Scrape, model: str | None = None) -> tuple[float, float]:
+    """Requests, and their prompt tokens, the frontends had waiting for a first token at the
+    scrape, for one served `model` (None: all)."""
+    match = None if model is None else {"model": model}
+    return _gauge_sum(scrape, QUEUED, match), _gauge_sum(scrape, QUEUED_TOKENS, match)
 
 
 def _gauge_sum(scrape: Scrape, name: str, match: Mapping[str, str] | None) -> float:

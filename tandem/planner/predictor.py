@@ -30,9 +30,16 @@ class Load:
     #: while the load goes on (FrontendInterval.inflight_floor); not predicted, set by the loop
     #: from the last interval; 0 when unknown or once the load stopped.
     inflight: float = 0.0
-    #: Prompt tokens waiting for a first token at the interval's end (the frontends' gauge);
-    #: not predicted, set by the loop like `inflight`.
+    #: Requests, and their prompt tokens, waiting for a first token at the interval's end
+    #: (the frontends' gauges); not predicted, set by the loop like `inflight`.
+    queued: float = 0.0
     queued_prompt_tokens: float = 0.0
+
+    @property
+    def waiting_isl(self) -> float:
+        """Mean prompt length of the requests waiting for a first token (the interval's mean
+        when none waits)."""
+        return self.queued_prompt_tokens / self.queued if self.queued else self.mean_isl
 
     @property
     def prompt_tokens_per_s(self) -> float:

@@ -86,16 +86,16 @@ def test_prompts_waiting_for_a_first_token_are_a_floor_on_both_pools() -> None:
     5.33 workers; decode must hold the 16 streams they will become (in flight while the load
     goes on: tandem.planner.observe's floor), not the 4 of the rate."""
     config = disagg()
-    swamped = Load(1, 1000, 100, inflight=16, queued_prompt_tokens=16000)
+    swamped = Load(1, 1000, 100, inflight=16, queued=16, queued_prompt_tokens=16000)
     prefill, decode = Decider(config).decide(same_load(config, swamped), models(config)).pools
     assert prefill.demand == pytest.approx(40000 / 7500) and prefill.target == 6
-    assert ("40000 prompt tok/s (16000 waiting for a first token / TTFT target; 1000 "
-            "arriving) at ISL 1000") in prefill.reason
+    assert ("40000 prompt tok/s to take the 16000 waiting for a first token at ISL 1000 "
+            "within TTFT 400 ms (1000 arriving) over 7500 tok/s per worker") in prefill.reason
     assert decode.demand == pytest.approx(16 / 40)
     assert "16 streams (in flight; 4 by 1 req/s x OSL 100" in decode.reason
     # A pool that keeps up has fewer waiting than its rate takes in a TTFT target (2,000
     # tokens against 16 x 1000 x 0.4 s): the rate decides, as without the floors.
-    calm = Load(16, 1000, 100, inflight=2, queued_prompt_tokens=2000)
+    calm = Load(16, 1000, 100, inflight=2, queued=2, queued_prompt_tokens=2000)
     prefill, decode = Decider(config).decide(same_load(config, calm), models(config)).pools
     assert prefill.demand == pytest.approx(16 / 7.5) and decode.demand == pytest.approx(1.6)
     assert "waiting" not in prefill.reason and "in flight" not in decode.reason

@@ -49,13 +49,13 @@ class Pages:
         self.now = 0.0
         self.down: set[str] = set()
 
-    def serve(self, requests: int, osl: int = 50) -> None:
+    def serve(self, requests: int, osl: int = 50, isl: int = 4, ttft_s: float = 0.01) -> None:
         for _ in range(requests):  # as the frontend's pipeline counts them
             tracker = self.frontend.track("completions")
-            queued = self.frontend.arrive(4)
-            self.frontend.observe_chunk(0.01, 0.0, 1)
+            queued = self.frontend.arrive(isl)
+            self.frontend.observe_chunk(ttft_s, 0.0, 1)
             queued.answered()
-            tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=osl))
+            tracker.finish("200", Usage(prompt_tokens=isl, completion_tokens=osl))
 
     async def round(self) -> Round:
         pages = {FRONTEND: self.frontend.render().decode(),
@@ -201,25 +201,36 @@ async def test_a_backlog_grows_the_pool_between_intervals(tmp_path: pathlib.Path
         tracker.finish("200", Usage(prompt_tokens=4, completion_tokens=50))
 
 
+#: Prefill at ISL 4,000: 4,000 tok/s per worker within TTFT 1 s (1,000 within 100 ms); ten
+#: times that at ISL 10. Decode as PROFILE.
+PREFILL_PROFILE = profile_from_dict({
+    "version": 1, "engine": "mock", "model": "t", "gpus_per_worker": 1,
+    "prefill": [{"isl": 10, "tokens_per_s": 10000, "ttft_ms": 100},
+                {"isl": 10, "tokens_per_s": 40000, "ttft_ms": 1000},
+                {"isl": 4000, "tokens_per_s": 1000, "ttft_ms": 100},
+                {"isl": 4000, "tokens_per_s": 4000, "ttft_ms": 1000}],
+    "decode": [{"context_length": 1, "batch_size": 1, "itl_ms": 5},
+               {"context_length": 1, "batch_size": 10, "itl_ms": 50}]})
+
+
+def disagg_planner(pages: Pages, connector: Connector, alpha: float = 0) -> PlannerLoop:
+    config = planner_config_from_dict({
+        "interval_s": 2, "correction_alpha": alpha, "predictor_window": 1, "pools": [
+            {"name": "prefill", "role": "prefill", "ttft_target_ms": 1000, "max_workers": 8},
+            {"name": "decode", "role": "decode", "itl_target_ms": 20, "max_workers": 8}]})
+    return PlannerLoop(config, {p.name: PoolModel(PREFILL_PROFILE) for p in config.pools},
+                       connector, pages, [FRONTEND], PlannerMetrics())  # type: ignore[arg-type]
+
+
 async def test_longer_prompts_waiting_grow_the_prefill_pool_between_intervals() -> None:
     """The ISL shift under a closed-loop load: as many requests in flight as at the last
     decision (each stream sends its next when its last ends), but their prompts are now 4,000
     tokens, not 10, and wait for their first token. The prompt tokens waiting grew: the check
-    sizes prefill from them (16,000 within TTFT 1 s over 4,000 tok/s per worker: 4) at once,
-    and decode keeps the four streams they will become."""
-    profile = profile_from_dict({
-        "version": 1, "engine": "mock", "model": "t", "gpus_per_worker": 1,
-        "prefill": [{"isl": 4000, "tokens_per_s": 1000, "ttft_ms": 100},
-                    {"isl": 4000, "tokens_per_s": 4000, "ttft_ms": 1000}],
-        "decode": [{"context_length": 1, "batch_size": 1, "itl_ms": 5},
-                   {"context_length": 1, "batch_size": 10, "itl_ms": 50}]})
-    config = planner_config_from_dict({
-        "interval_s": 2, "correction_alpha": 0, "predictor_window": 1, "pools": [
-            {"name": "prefill", "role": "prefill", "ttft_target_ms": 1000, "max_workers": 8},
-            {"name": "decode", "role": "decode", "itl_target_ms": 20, "max_workers": 8}]})
+    sizes prefill from them at once, at their own length (16,000 within TTFT 1 s over 4,000
+    tok/s per worker at ISL 4,000: 4; at the last interval's ISL 10, 0.4), and decode keeps
+    the four streams they will become."""
     pages, connector = Pages(), Recorded({"prefill": 1, "decode": 1})
-    loop = PlannerLoop(config, {p.name: PoolModel(profile) for p in config.pools}, connector,
-                       pages, [FRONTEND], PlannerMetrics())  # type: ignore[arg-type]
+    loop = disagg_planner(pages, connector)
     await loop.step()
     waiting = [(pages.frontend.track("completions"), pages.frontend.arrive(10))
                for _ in range(4)]
@@ -232,8 +243,27 @@ async def test_longer_prompts_waiting_grow_the_prefill_pool_between_intervals() 
                for _ in range(4)]
     fast = await loop.check_backlog()
     assert fast is not None and fast.targets() == {"prefill": 4, "decode": 1}
-    assert "16000 waiting for a first token" in fast.pools[0].reason
+    assert "16000 waiting for a first token at ISL 4000" in fast.pools[0].reason
     assert connector.calls == [("prefill", 4, [])]
+
+
+async def test_a_ttft_that_measured_a_queue_does_not_correct_the_profile() -> None:
+    """TTFT p90 of 3 s where the profile predicts ~100 ms: the workers are slower than their
+    profile, and the model learns it, unless the interval ended with prompts waiting beyond
+    what the pool answers within its target (2 x 4,000 tok/s x 1 s here): that TTFT measured
+    the queue."""
+    pages = Pages()
+    loop = disagg_planner(pages, Recorded({"prefill": 1, "decode": 1}), alpha=0.5)
+    await loop.step()
+    pages.serve(4, isl=1000, ttft_s=3.0)  # 2 req/s x ISL 1000: 2,000 tok/s, 2,000 in a TTFT
+    waiting = [pages.frontend.arrive(4000) for _ in range(4)]  # 16,000 tokens waiting
+    await loop.step()
+    assert loop.models["prefill"].prefill.factor == 1.0
+    for queued in waiting:
+        queued.answered()
+    pages.serve(4, isl=1000, ttft_s=3.0)
+    await loop.step()
+    assert loop.models["prefill"].prefill.factor > 1.0
 
 
 async def test_the_loop_checks_the_backlog_between_its_intervals() -> None:
