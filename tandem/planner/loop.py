@@ -13,12 +13,11 @@ not answer is skipped, and the next complete round is compared with the last com
 page missing from one round would otherwise count its counters' whole values as new traffic).
 
 Between decisions, every `scale_up_check_s`, a backlog check reads the pages again: when the
-frontends' requests in flight, or the prompt tokens waiting for a first token, are more than at
-the last decision, the last interval's load with them as its floors (tandem.planner.demand) is
-put to the decider's fast scale-up (Decider.scale_up_now), which grows a pool whose workers
-cannot hold them (by more than the scale-down headroom). A step
-burst is so met within seconds, not at the next interval; the interval decisions stay the only
-ones that shrink a pool.
+frontends' requests in flight, or the prompt tokens waiting for a first token, are more than at the
+last decision, the last interval's load with them as its floors (tandem.planner.demand) is put to
+the decider's fast scale-up (Decider.scale_up_now), which grows a pool whose workers cannot hold
+them (by more than the scale-down headroom). A step burst is so met within seconds, not at the next
+interval; the interval decisions stay the only ones that shrink a pool.
 """
 from __future__ import annotations
 
