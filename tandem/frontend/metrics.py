@@ -42,8 +42,11 @@ class FrontendMetrics:
             "in tandem_frontend_arrivals, as they arrive", labels, registry=r)
         self.queued_prompt_tokens = Gauge(
             "tandem_frontend_queued_prompt_tokens", "Prompt tokens of the generations not yet "
-            "answered with a first token (routing, prefilling, waiting for a worker)", labels,
-            registry=r)
+            "prefilled (routing, waiting for a worker, prefilling): no first token made",
+            labels, registry=r)
+        self.queued_generations = Gauge(
+            "tandem_frontend_queued_generations", "The generations counted in "
+            "tandem_frontend_queued_prompt_tokens", labels, registry=r)
         self.ttft = Histogram("tandem_frontend_time_to_first_token_seconds", "TTFT", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_frontend_inter_token_latency_seconds",
@@ -106,6 +109,7 @@ class FrontendMetrics:
         self._arrivals = self.arrivals.labels(model)
         self._arrival_tokens = self.arrival_prompt_tokens.labels(model)
         self._queued_tokens = self.queued_prompt_tokens.labels(model)
+        self._queued_generations = self.queued_generations.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:
         """These metrics (same collectors and registry) labelled with `model`."""
@@ -127,11 +131,11 @@ class FrontendMetrics:
             self.local_candidates.labels(self.model, kind).set(count)
 
     def arrive(self, prompt_tokens: int) -> QueuedPrompt:
-        """Counts one generation as it arrives; its prompt waits (queued_prompt_tokens) until
-        the returned handle's `answered`."""
+        """Counts one generation as it arrives; it and its prompt wait (queued_generations,
+        queued_prompt_tokens) until the returned handle's `answered`."""
         self._arrivals.inc()
         self._arrival_tokens.inc(prompt_tokens)
-        return QueuedPrompt(self._queued_tokens, prompt_tokens)
+        return QueuedPrompt(self._queued_generations, self._queued_tokens, prompt_tokens)
 
     def observe_chunk(self, ttft_s: float | None, gap_s: float, num_tokens: int) -> None:
         self._streamed.inc(num_tokens)
@@ -158,17 +162,20 @@ class FrontendMetrics:
 
 
 class QueuedPrompt:
-    """One generation's prompt tokens in queued_prompt_tokens, taken out once (`answered`: its
-    first token, or its end without one)."""
+    """One generation, and its prompt tokens, in the queued gauges; taken out once (`answered`:
+    its first token made, or its end without one)."""
 
-    def __init__(self, gauge: Gauge, tokens: int) -> None:
-        self._gauge, self._tokens = gauge, tokens
-        gauge.inc(tokens)
+    def __init__(self, generations: Gauge, tokens: Gauge, num_tokens: int) -> None:
+        self._generations, self._tokens, self._num_tokens = generations, tokens, num_tokens
+        self._waiting = True
+        generations.inc()
+        tokens.inc(num_tokens)
 
     def answered(self) -> None:
-        if self._tokens:
-            self._gauge.dec(self._tokens)
-            self._tokens = 0
+        if self._waiting:
+            self._waiting = False
+            self._generations.dec()
+            self._tokens.dec(self._num_tokens)
 
 
 class RequestTracker:

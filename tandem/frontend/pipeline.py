@@ -31,7 +31,7 @@ from tandem.engines.types import (
 )
 from tandem.errors import DeadlineExceeded, Overloaded, Unavailable, UpstreamError
 from tandem.frontend.detokenizer import IncrementalDetokenizer
-from tandem.frontend.metrics import FrontendMetrics
+from tandem.frontend.metrics import FrontendMetrics, QueuedPrompt
 from tandem.multimodal.prompt import place_embeddings
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import tracing
@@ -217,7 +217,7 @@ class Pipeline:
             decision = await self._route(req)
             if req.embeddings and decision.encode_workers:
                 req = dataclasses.replace(req, embeddings=await self._encode(req, decision))
-            async with aclosing(self._stream(req, decision, start)) as deltas:
+            async with aclosing(self._stream(req, decision, start, queued)) as deltas:
                 async for delta in deltas:
                     queued.answered()
                     produced += len(delta.token_ids)
@@ -260,10 +260,14 @@ class Pipeline:
                     extra={"request_id": req.request_id})
         return req.embeddings
 
-    async def _stream(self, req: GenerationRequest, decision: RouteDecision,
-                      start: float) -> AsyncGenerator[Delta, None]:
-        """Prefills when the router disaggregates, then streams from the decode pick."""
+    async def _stream(self, req: GenerationRequest, decision: RouteDecision, start: float,
+                      queued: QueuedPrompt) -> AsyncGenerator[Delta, None]:
+        """Prefills when the router disaggregates, then streams from the decode pick. The
+        prompt stops waiting once prefilled (its first token made), not once the decode worker
+        streams it: what waits for decode is no prefill work."""
         answered = await self._prefill(req, decision) if decision.disaggregate else None
+        if answered is not None:
+            queued.answered()
         prefilled, prefill_worker = answered or (None, None)
         if prefilled is not None and prefilled.kv_handle is None:
             delta = self._answered_by_prefill(req, prefilled, decision.prefill_workers[0])

@@ -156,7 +156,8 @@ class PlannerLoop:
         self.predictor.observe(seen.sizing_rate, seen.sizing_isl, seen.mean_osl)
         predicted = self.predictor.predict()
         assert predicted is not None  # observed one above
-        load = dataclasses.replace(predicted, inflight=seen.inflight_floor, queued=seen.num_queued,
+        load = dataclasses.replace(predicted, inflight=seen.inflight_floor,
+                                   queued=seen.queued_generations,
                                    queued_prompt_tokens=seen.queued_prompt_tokens)
         self._last_load = predicted
         actual = await self.connector.actual()

@@ -18,8 +18,10 @@ The metrics used, by the names the services export them under:
   ``tandem_frontend_arrivals_total`` and ``..._arrival_prompt_tokens_total`` (generations and
   their prompt tokens as they arrive: the rate and ISL the pools are sized for, known before
   any of them is answered; a frontend without them, an older one, is read by its first
-  tokens and finished requests instead), ``tandem_frontend_queued_requests`` and
-  ``..._queued_prompt_tokens`` (not yet answered with a first token);
+  tokens and finished requests instead, as is every frontend while one does not count them),
+  ``tandem_frontend_queued_requests`` (requests not yet answered with a first token),
+  ``..._queued_generations`` and ``..._queued_prompt_tokens`` (generations, and their prompt
+  tokens, not yet prefilled);
 - workers (tandem.runtime.worker_metrics), label ``worker``:
   ``tandem_worker_requests_running``, ``..._requests_waiting``, ``..._kv_blocks_used``,
   ``..._kv_blocks_total``;
@@ -42,6 +44,7 @@ ARRIVALS = "tandem_frontend_arrivals"
 ARRIVAL_TOKENS = "tandem_frontend_arrival_prompt_tokens"
 QUEUED = "tandem_frontend_queued_requests"
 QUEUED_TOKENS = "tandem_frontend_queued_prompt_tokens"
+QUEUED_GENERATIONS = "tandem_frontend_queued_generations"
 RUNNING = "tandem_worker_requests_running"
 WAITING = "tandem_worker_requests_waiting"
 KV_USED = "tandem_worker_kv_blocks_used"
@@ -74,9 +77,10 @@ class FrontendInterval:
     #: from a frontend that does not count arrivals, the mean also when none arrived.
     arrival_rate: float | None = None
     mean_arrival_isl: float | None = None
-    #: Requests, and their prompt tokens, not yet answered with a first token at the later
-    #: scrape.
+    #: Requests not yet answered with a first token at the later scrape; generations, and
+    #: their prompt tokens, not yet prefilled.
     num_queued: float = 0.0
+    queued_generations: float = 0.0
     queued_prompt_tokens: float = 0.0
 
     @property
@@ -113,7 +117,10 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
     match = None if model is None else {"model": model}
     ttft, itl = (histogram_increase(before, after, n, match) for n in (TTFT, ITL))
     isl, osl = (histogram_increase(before, after, n, match) for n in (ISL, OSL))
-    counts_arrivals = bool(after.gauges(ARRIVALS + "_total", match))
+    # Arrivals only where every frontend counts them (one that does not, an older one in a
+    # rolling upgrade, would have its traffic missed).
+    counting = {instance for instance, _ in after.gauges(ARRIVALS + "_total", match)}
+    counts_arrivals = bool(counting) and _frontends(after, match) <= counting
     arrived = counter_increase(before, after, ARRIVALS, match)
     arrived_tokens = counter_increase(before, after, ARRIVAL_TOKENS, match)
     return FrontendInterval(
@@ -131,6 +138,7 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
         arrival_rate=arrived / duration if counts_arrivals else None,
         mean_arrival_isl=arrived_tokens / arrived if counts_arrivals and arrived else None,
         num_queued=_gauge_sum(after, QUEUED, match),
+        queued_generations=_gauge_sum(after, QUEUED_GENERATIONS, match),
         queued_prompt_tokens=_gauge_sum(after, QUEUED_TOKENS, match))
 
 
@@ -141,10 +149,18 @@ def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
 
 
 def queued_load(scrape: Scrape, model: str | None = None) -> tuple[float, float]:
-    """Requests, and their prompt tokens, the frontends had waiting for a first token at the
+    """Generations, and their prompt tokens, the frontends had waiting to be prefilled at the
     scrape, for one served `model` (None: all)."""
     match = None if model is None else {"model": model}
-    return _gauge_sum(scrape, QUEUED, match), _gauge_sum(scrape, QUEUED_TOKENS, match)
+    return (_gauge_sum(scrape, QUEUED_GENERATIONS, match),
+            _gauge_sum(scrape, QUEUED_TOKENS, match))
+
+
+def _frontends(scrape: Scrape, match: Mapping[str, str] | None) -> set[str]:
+    """The instances with a frontend sample whose labels include `match`."""
+    wanted = set((match or {}).items())
+    return {instance for instance, name, labels in scrape.samples
+            if name.startswith("tandem_frontend_") and wanted <= set(labels)}
 
 
 def _gauge_sum(scrape: Scrape, name: str, match: Mapping[str, str] | None) -> float:

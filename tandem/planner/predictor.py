@@ -30,14 +30,14 @@ class Load:
     #: while the load goes on (FrontendInterval.inflight_floor); not predicted, set by the loop
     #: from the last interval; 0 when unknown or once the load stopped.
     inflight: float = 0.0
-    #: Requests, and their prompt tokens, waiting for a first token at the interval's end
+    #: Generations, and their prompt tokens, waiting to be prefilled at the interval's end
     #: (the frontends' gauges); not predicted, set by the loop like `inflight`.
     queued: float = 0.0
     queued_prompt_tokens: float = 0.0
 
     @property
     def waiting_isl(self) -> float:
-        """Mean prompt length of the requests waiting for a first token (the interval's mean
+        """Mean prompt length of the generations waiting to be prefilled (the interval's mean
         when none waits)."""
         return self.queued_prompt_tokens / self.queued if self.queued else self.mean_isl
 

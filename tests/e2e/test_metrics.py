@@ -133,6 +133,7 @@ def test_counts_after_a_known_set_of_requests(scrapes: Scrapes) -> None:
     assert total(f, "tandem_frontend_arrivals_total") == 6
     assert total(f, "tandem_frontend_arrival_prompt_tokens_total") == prompt_tokens
     assert total(f, "tandem_frontend_queued_prompt_tokens") == 0
+    assert total(f, "tandem_frontend_queued_generations") == 0
     assert total(f, "tandem_build_info", service="frontend") == 1
     # Per-hop latency of streamed tokens: every decode batch gives the worker's two hops; each
     # streamed HTTP request wrote at least one measured chunk. Loopback hops take far below 1 s.

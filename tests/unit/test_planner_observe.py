@@ -96,7 +96,7 @@ def test_arrivals_size_the_load_before_any_of_it_is_answered() -> None:
     assert seen.arrival_rate == pytest.approx(5 / 10)
     assert seen.mean_arrival_isl == pytest.approx(2480)
     assert (seen.sizing_rate, seen.sizing_isl) == (seen.arrival_rate, seen.mean_arrival_isl)
-    assert seen.queued_prompt_tokens == 8000
+    assert seen.queued_prompt_tokens == 8000 and seen.queued_generations == 2
     # Answered once only, whichever way it ends.
     waiting[0].answered()
     assert frontend_interval(before, parse_scrape({"frontend-0": _page(metrics)}, 10.0),
@@ -109,7 +109,11 @@ def test_arrivals_size_the_load_before_any_of_it_is_answered() -> None:
         for page, t in zip(pages, (0, 10))]
     seen = frontend_interval(*older, model="demo")
     assert seen.request_rate == pytest.approx(2 / 10)
-    assert seen.arrival_rate is None and seen.mean_arrival_isl is None
+    assert seen.arrival_rate is None
+    # ... and so is every frontend while one does not count them (a rolling upgrade).
+    mixed = [parse_scrape({"new": page, "old": _page(FrontendMetrics("demo")).replace(
+        "arrival", "other")}, t) for page, t in zip(pages, (0, 10))]
+    assert frontend_interval(*mixed, model="demo").arrival_rate is None and seen.mean_arrival_isl is None
     assert seen.queued_prompt_tokens == 0
     assert (seen.sizing_rate, seen.sizing_isl) == (seen.request_rate, seen.mean_isl)
 
