@@ -123,6 +123,7 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
     counts_arrivals = bool(counting) and _frontends(after, match) <= counting
     arrived = counter_increase(before, after, ARRIVALS, match)
     arrived_tokens = counter_increase(before, after, ARRIVAL_TOKENS, match)
+    queued_generations, queued_tokens = queued_load(after, model)
     return FrontendInterval(
         duration_s=duration,
         request_rate=ttft.count / duration,
@@ -138,8 +139,8 @@ def frontend_interval(before: Scrape, after: Scrape, model: str | None = None,
         arrival_rate=arrived / duration if counts_arrivals else None,
         mean_arrival_isl=arrived_tokens / arrived if counts_arrivals and arrived else None,
         num_queued=_gauge_sum(after, QUEUED, match),
-        queued_generations=_gauge_sum(after, QUEUED_GENERATIONS, match),
-        queued_prompt_tokens=_gauge_sum(after, QUEUED_TOKENS, match))
+        queued_generations=queued_generations,
+        queued_prompt_tokens=queued_tokens)
 
 
 def inflight_requests(scrape: Scrape, model: str | None = None) -> float:
