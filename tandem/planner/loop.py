@@ -75,6 +75,8 @@ class PlannerLoop:
         #: The last decided interval's load (before the pools' shares) and the shares.
         self._last_load: Load | None = None
         self._shares: dict[str, float] = {}
+        #: The most prompt tokens the backlog checks saw waiting since the last complete round.
+        self._peak_queued_tokens = 0.0
         #: Pages that answered at least once, and those not answering now (for the log).
         self._answered: set[str] = set()
         self._down: set[str] = set()
@@ -116,6 +118,7 @@ class PlannerLoop:
         before = inflight_requests(self._baseline, self.model_name)
         now = inflight_requests(round_.scrape, self.model_name)
         queued, queued_tokens = queued_load(round_.scrape, self.model_name)
+        self._peak_queued_tokens = max(self._peak_queued_tokens, queued_tokens)
         if now <= before and queued_tokens <= queued_load(self._baseline, self.model_name)[1]:
             return None
         load = dataclasses.replace(self._last_load, inflight=now, queued=queued,
@@ -149,6 +152,7 @@ class PlannerLoop:
             return None
         before, after = self._baseline, round_.scrape
         self._baseline = after
+        peak_queued_tokens, self._peak_queued_tokens = self._peak_queued_tokens, 0.0
         if before is None:
             self._note("took its first metrics; decides after one interval")
             return None
@@ -165,7 +169,8 @@ class PlannerLoop:
             self.decider = Decider(self.plan, actual)
         workers = pool_workers(after)
         shares = self._shares = routed_shares(self.plan, before, after)
-        self._refine(seen, actual, workers, shares)
+        self._refine(seen, max(peak_queued_tokens, seen.queued_prompt_tokens), actual, workers,
+                     shares)
         decision = self.decider.decide(
             {p.name: _scaled(load, shares[p.name]) for p in self.plan.pools}, self.models)
         seen_load = pool_loads(after, {name: list(w) for name, w in workers.items()})
@@ -180,14 +185,17 @@ class PlannerLoop:
             self.report.record(decision, load, actual)
         return decision
 
-    def _refine(self, seen: FrontendInterval, actual: Mapping[str, int],
-                workers: Mapping[str, Mapping[str, RemovalCost]],
+    def _refine(self, seen: FrontendInterval, peak_queued_tokens: float,
+                actual: Mapping[str, int], workers: Mapping[str, Mapping[str, RemovalCost]],
                 shares: Mapping[str, float]) -> None:
         """Each pool's model corrected by what its workers showed this interval. Not the
-        prefill side of an interval that ended with more prompt tokens waiting than the pool
-        took within its TTFT target (at the rate it answered them): its TTFT is that queue's,
-        which the floor on waiting tokens sizes for, not the workers' speed (taken for it, a
-        burst of long prompts made the profile's lightest load miss the target)."""
+        prefill side of an interval in which more prompt tokens waited than the pool took within
+        its TTFT target (at the rate it answered them): its TTFT is that queue's, which the floor
+        on waiting tokens sizes for, not the workers' speed (taken for it, a burst of long
+        prompts made the profile's lightest load miss the target). `peak_queued_tokens` is the
+        most seen waiting, by the backlog checks or at the interval's end: prompts leave the
+        gauge once prefilled, so a queue built during the interval has often drained by its
+        end."""
         alpha = self.plan.correction_alpha
         for pool in self.plan.pools:
             num = actual.get(pool.name, 0)
@@ -198,7 +206,7 @@ class PlannerLoop:
             model = self.models[pool.name]
             answered = rate * seen.mean_isl * pool.ttft_target_ms / 1000
             if pool.uses_prefill and seen.ttft_ms is not None \
-                    and seen.queued_prompt_tokens * share <= answered:
+                    and peak_queued_tokens * share <= answered:
                 model = model.refined_prefill(seen.mean_isl, rate * seen.mean_isl / num,
                                               seen.ttft_ms, alpha)
             if pool.uses_decode and seen.itl_ms is not None and seen.mean_osl is not None:

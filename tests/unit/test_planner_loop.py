@@ -266,6 +266,28 @@ async def test_a_ttft_that_measured_a_queue_does_not_correct_the_profile() -> No
     assert loop.models["prefill"].prefill.factor > 1.0
 
 
+async def test_a_queue_the_backlog_check_saw_drain_before_the_interval_end_still_counts() -> None:
+    """Prompts leave the waiting gauge once prefilled: a queue built and drained within an
+    interval shows only to the backlog checks between its ends. Its peak (16,000 tokens
+    waiting, past the 2,000 the pool answers within its target) keeps the interval's TTFT out
+    of the prefill profile, though the interval ended with none waiting; the peak is the
+    interval's own, so the next slow interval without a queue corrects the profile."""
+    pages = Pages()
+    loop = disagg_planner(pages, Recorded({"prefill": 1, "decode": 1}), alpha=0.5)
+    await loop.step()
+    await loop.step()  # nothing served: decided, nothing to correct from
+    pages.serve(4, isl=1000, ttft_s=3.0)  # 2 req/s x ISL 1000: 2,000 tokens in a TTFT
+    waiting = [pages.frontend.arrive(4000) for _ in range(4)]
+    await loop.check_backlog()  # sees 16,000 tokens waiting
+    for queued in waiting:
+        queued.answered()  # the interval ends with none waiting
+    await loop.step()
+    assert loop.models["prefill"].prefill.factor == 1.0
+    pages.serve(4, isl=1000, ttft_s=3.0)
+    await loop.step()
+    assert loop.models["prefill"].prefill.factor > 1.0
+
+
 async def test_the_loop_checks_the_backlog_between_its_intervals() -> None:
     """run() itself: a backlog that appears after the first decision is met by a check before
     the next interval (an hour away), and a check that is not shorter than the interval never
