@@ -58,6 +58,7 @@ from benchmarks.reference_gpu import (  # noqa: E402
     write_config,
 )
 from tandem.engines.args import EngineArgs  # noqa: E402
+from tandem.engines.reference import moe_kernels  # noqa: E402
 from tandem.engines.reference.engine import create_reference_engine  # noqa: E402
 from tandem.engines.reference.loader import DUMMY_STD  # noqa: E402
 from tandem.engines.reference.moe import GptOssMoeBlock, pack_experts  # noqa: E402
@@ -238,6 +239,11 @@ async def main() -> None:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if device == "cuda":  # the tiles and decode variants autotuning chose, per shape
+        tuner = moe_kernels._expert_gemm_kernel
+        log("tiles", {str(key): str(config) for key, config in tuner.cache.items()})
+        for key, config in tuner.cache.items():
+            print(f"expert GEMM {key}: {config}")
     print_tables(figures, bw, device)
 
 

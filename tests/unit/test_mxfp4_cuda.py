@@ -12,12 +12,13 @@ import dataclasses
 import json
 import pathlib
 import shutil
+from typing import Any
 
 import pytest
 import torch
 
 from tandem.engines.args import EngineArgs
-from tandem.engines.reference import kernels
+from tandem.engines.reference import kernels, moe_kernels
 from tandem.engines.reference.batch import allocate_kv_cache
 from tandem.engines.reference.engine import create_reference_engine
 from tandem.engines.reference.loader import load_model
@@ -91,6 +92,41 @@ def test_w4a16_experts_equal_the_dequantized_block(
     for out in (got, sorted_path):
         assert relative_error(out, exact) < max(2 * bf16_error, 1e-2), (
             rows, relative_error(out, exact), bf16_error)
+
+
+class Pinned:
+    """moe_kernels' autotuned expert GEMM launched with the first config of one decode variant
+    (autotuning would test only the fastest)."""
+
+    def __init__(self, tuner: Any, decode: int) -> None:
+        self.tuner = tuner
+        self.config = next(c for c in tuner.configs if c.kwargs["DECODE"] == decode)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            c = self.config
+            self.tuner.fn[grid(c.kwargs)](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
+                                          num_stages=c.num_stages)
+        return launch
+
+
+@pytest.mark.parametrize("decode", [0, 1, 2])  # group, tile, tl.dot_scaled
+@pytest.mark.parametrize("rows", [1, 64])
+def test_every_decode_variant_equals_the_dequantized_block(
+        blocks: tuple[GptOssMoeBlock, GptOssMoeBlock], rows: int, decode: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    packed, dense = blocks
+    monkeypatch.setattr(moe_kernels, "_expert_gemm_kernel",
+                        Pinned(moe_kernels._expert_gemm_kernel, decode))
+    x = torch.randn(rows, 2880, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(rows))
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        exact = dense.forward_grouped(x.float())
+        bf16_error = relative_error(copy.deepcopy(dense).to(torch.bfloat16).forward_grouped(x),
+                                    exact)
+        got = packed(x)
+    assert relative_error(got, exact) < max(2 * bf16_error, 1e-2), (
+        rows, decode, relative_error(got, exact), bf16_error)
 
 
 def test_w4a16_experts_run_inside_a_cuda_graph(

@@ -17,9 +17,11 @@ With MXFP4 experts (quant.mxfp4.PackedExperts) the same kernel runs W4A16 (`MXFP
 each expert's packed 4-bit codes and their e8m0 scales (a quarter of the bf16 bytes, plus one
 byte per 32 values), decodes them in registers (each code's sign, exponent and mantissa bits
 placed into a float32, times 2^126 and the scale: exact), rounds them to the model dtype and
-runs tl.dot on them: no dequantized copy of a layer ever exists. Two decode variants, both
-autotuned: a group of 32 inputs at a time (two K=16 dots, no tile reshaped) or a whole
-[BLOCK_N, BLOCK_K] tile (one dot). Prefill (too many tokens for the
+runs tl.dot on them: no dequantized copy of a layer ever exists. Three decode variants, all
+autotuned: a group of 32 inputs at a time (two K=16 dots, no tile reshaped), a whole
+[BLOCK_N, BLOCK_K] tile (one dot), or tl.dot_scaled with bf16 activations (Triton's own e2m1
+upcast, which Hopper lowers to a few bit operations per pair of values instead of our
+float32 decode and a conversion per value). Prefill (too many tokens for the
 routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
 every expert (those without rows return at once).
 
@@ -150,18 +152,25 @@ if triton is not None:
               (32, 256, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6), (128, 128, 8, 4),
               (256, 64, 8, 4), (256, 32, 8, 6))
 
-    def _prune_decode(configs, nargs, **kwargs):  # type: ignore[no-untyped-def]
-        """bf16 weights: the configs of one decode variant (it does not apply to them)."""
-        if kwargs.get("MXFP4", nargs.get("MXFP4")):
-            return configs
-        return [c for c in configs if not c.kwargs["DECODE_TILE"]]
+    #: The ways MXFP4 weights reach tl.dot: a group of 32 inputs at a time (two K=16 dots), a
+    #: whole [BLOCK_N, BLOCK_K] tile (one dot), or tl.dot_scaled (the compiler's own e2m1
+    #: upcast and scale, bf16 activations only). bf16 weights have one way.
+    GROUP, TILE, SCALED = 0, 1, 2
 
-    # MXFP4 weights decode either a group of 32 inputs at a time (two K=16 dots) or a whole
-    # [BLOCK_N, BLOCK_K] tile (one dot): autotuning measures both.
+    def _prune_decode(configs, nargs, **kwargs):  # type: ignore[no-untyped-def]
+        """The configs whose decode variant applies: bf16 weights have one; tl.dot_scaled takes
+        bf16 activations only."""
+        if not kwargs.get("MXFP4", nargs.get("MXFP4")):
+            return [c for c in configs if c.kwargs["DECODE"] == GROUP]
+        if nargs["x_ptr"].dtype != torch.bfloat16:
+            return [c for c in configs if c.kwargs["DECODE"] != SCALED]
+        return configs
+
+    # Autotuning measures every decode variant that applies.
     @triton.autotune(configs=[
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE_TILE": tile}, num_warps=w,
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE": decode}, num_warps=w,
                       num_stages=st)
-        for tile in (False, True) for n, k, w, st in _TILES],
+        for decode in (GROUP, TILE, SCALED) for n, k, w, st in _TILES],
         key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"],
         prune_configs_by={"early_config_prune": _prune_decode})
     @triton.jit
@@ -169,7 +178,7 @@ if triton is not None:
                             active_ptr, route_w_ptr, n_cols, k_cols, top_k, alpha, limit,
                             GATE_UP: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DECODE_TILE: tl.constexpr):
+                            DECODE: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.load(active_ptr + tl.program_id(1))
         end = tl.load(ends_ptr + expert, mask=expert >= 0, other=0)
@@ -194,14 +203,27 @@ if triton is not None:
                 src = rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, k_cols, BLOCK_K):
-                if MXFP4 and DECODE_TILE:
+                if MXFP4 and DECODE == 2:  # SCALED: codes [BLOCK_K / 2, BLOCK_N], k-packed
+                    k = k0 + kk
+                    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
+                                mask=r_mask[:, None] & (k < k_cols)[None, :], other=0.0)
+                    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    codes = tl.load(w_base + cols.to(tl.int64)[None, :] * (k_cols // 2)
+                                    + kb[:, None],
+                                    mask=(kb < k_cols // 2)[:, None] & n_mask[None, :], other=0)
+                    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                    exps = tl.load(s_base + cols.to(tl.int64)[:, None] * (k_cols // 32)
+                                   + kg[None, :],
+                                   mask=n_mask[:, None] & (kg < k_cols // 32)[None, :], other=0)
+                    acc = tl.dot_scaled(x, None, "bf16", codes, exps, "e2m1", acc=acc)
+                elif MXFP4 and DECODE == 1:  # TILE
                     k = k0 + kk
                     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
                                 mask=r_mask[:, None] & (k < k_cols)[None, :], other=0.0)
                     w_t = _mxfp4_tile(w_base, s_base, cols, n_mask, k0, k_cols, BLOCK_N,
                                       BLOCK_K)
                     acc += tl.dot(x, tl.trans(w_t.to(x.dtype)))
-                elif MXFP4:  # BLOCK_K / 32 groups of 32 inputs
+                elif MXFP4:  # GROUP: BLOCK_K / 32 groups of 32 inputs
                     for g in tl.static_range(BLOCK_K // 32):
                         acc = _mxfp4_group_dot(acc, x_ptr, src, r_mask, w_base, s_base, cols,
                                                n_mask, k0 // 32 + g, k_cols)
