@@ -13,10 +13,9 @@ switched between runs (the engine reads `engine.speculation` each step):
 4. batch sweep with the oracle (k = 4) against plain: where speculation stops paying (the
    default `disable_by_batch_size`);
 5. 64 streams with the default policy (n-gram) against speculation off;
-6. run 3 again on a target that copies: the same dummy weights with every layer's o_proj and
-   down_proj scaled by COPYING_DAMP (the same kernels read the same bytes; the next token
-   becomes a function of the last, so the answer repeats the continuation the prompt holds,
-   and prompt lookup finds it).
+6. run 3 again on a target that copies (`copying_target`: the same kernels read the same
+   bytes; the next token is a fixed permutation of the last, so the answer repeats the
+   continuation the prompt holds, and prompt lookup finds it).
 
     PYTHONPATH=. python3 benchmarks/spec_gpu.py            # on a CUDA machine
     PYTHONPATH=. python3 benchmarks/spec_gpu.py --small    # CPU smoke run of the script
@@ -42,9 +41,24 @@ from tandem.engines.speculative.proposer import NgramProposer, Proposer
 from tandem.engines.speculative.speculation import Speculation
 from tandem.engines.types import EngineRequest, SamplingParams
 
-#: Run 6's scale of every layer's o_proj and down_proj: the residual stream stays the token's
-#: embedding, so the next token is a function of the last (a target that copies).
-COPYING_DAMP = 1e-3
+
+def copying_target(model: torch.nn.Module) -> None:
+    """Makes the dummy target copy (run 6), reading the same bytes through the same kernels:
+    every layer's o_proj and down_proj zeroed, so the residual stream stays the last token's
+    embedding, and the LM head's rows the embedding's rows permuted, so the next token is a
+    fixed permutation of the last one, decisively (a row's dot product with itself is about
+    sqrt(hidden) times its dot product with another; damping the layers instead left the
+    context's share and bf16's near-tied logits, and the answer did not copy). The answer to
+    the copy prompt then repeats the continuation the prompt holds."""
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embedding = model.embed_tokens.weight
+        if model.lm_head is not None:  # tied embeddings: the next token is the last one
+            perm = torch.randperm(embedding.shape[0], generator=generator)
+            model.lm_head.weight.copy_(embedding[perm.to(embedding.device)])
 
 
 class OracleProposer(Proposer):
@@ -286,14 +300,9 @@ async def main() -> None:
                      f"{results['default'] / off:.3f}", "-", "-",
                      f"off {results['off']:,.0f} / {results['off again']:,.0f}"))
         figures["policy64"] = results
-        # 6. n-gram on the copy-heavy prompt with a target that copies: dummy weights never
-        # repeat what they wrote (run 3), so the layers' output projections are scaled down
-        # (COPYING_DAMP): each layer still reads all its weights, but the next token becomes a
-        # function of the last one, as in a real model's copying, and the answer repeats the
-        # continuation the prompt holds.
-        for layer in engine.model.layers:
-            layer.self_attn.o_proj.weight.data.mul_(COPYING_DAMP)
-            layer.mlp.down_proj.weight.data.mul_(COPYING_DAMP)
+        # 6. n-gram on the copy-heavy prompt with a target that copies (copying_target):
+        # dummy weights never repeat what they wrote (run 3).
+        copying_target(engine.model)
         figures["ngram_copying_target"] = await ngram_on_copy_prompt(
             engine, seed, tokens, "copying target, ", rows)
         await engine.close()
