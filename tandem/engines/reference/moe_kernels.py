@@ -20,8 +20,12 @@ placed into a float32, times 2^126 and the scale: exact), rounds them to the mod
 runs tl.dot on them: no dequantized copy of a layer ever exists. Three decode variants, all
 autotuned: a group of 32 inputs at a time (two K=16 dots, no tile reshaped), a whole
 [BLOCK_N, BLOCK_K] tile (one dot), or tl.dot_scaled with bf16 activations (Triton's own e2m1
-upcast, which Hopper lowers to a few bit operations per pair of values instead of our
-float32 decode and a conversion per value). Prefill (too many tokens for the
+upcast and scale). One token (a batch-1 decode step: one row per expert) takes a fourth
+that runs no dot at all (`_mxfp4_row_dot`): at one row a tl.dot pads it to 16 and pays, per
+value, the float32 decode, its multiply and its conversion to bf16; the row path places each
+value's bits with integer operations and multiplies once per value and once per word (on an
+H200, gpt-oss-120b's expert GEMMs at one token: 26 us a launch against the tile decode's
+30; both far from the bytes' ~6 us). Prefill (too many tokens for the
 routing kernel) sorts its pairs with torch (`sort_by_expert`) and runs the same GEMMs over
 every expert (those without rows return at once).
 
@@ -99,6 +103,32 @@ if triton is not None:
         values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scales[:, :, None]
         return tl.reshape(values, [BLOCK_N, BLOCK_K])
 
+    @triton.jit
+    def _mxfp4_row_dot(x_row, w_base, s_base, cols, n_mask, k0, k_cols,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """float32 [BLOCK_N]: W[cols, inputs k0 .. k0 + BLOCK_K) @ x_row[those inputs] for one
+        row of activations (x_row points at it), without tl.dot: the codes read as 32-bit words
+        (8 values each), every value's bits placed into a float32 by integer operations alone
+        (2^-126 times its e2m1 value, as in _mxfp4_group_dot, with no multiply or conversion
+        per value), times x * 2^64 (so that no product is subnormal), summed over each word
+        and only then times the group's scale (2^(e - 127) * 2^126 * 2^-64)."""
+        words_per_row = k_cols // 8
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kw_mask = kw < words_per_row
+        words = tl.load(w_base.to(tl.pointer_type(tl.uint32))
+                        + cols.to(tl.int64)[:, None] * words_per_row + kw[None, :],
+                        mask=n_mask[:, None] & kw_mask[None, :], other=0)
+        part = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+        for i in tl.static_range(8):  # value i of each word: input 8 * word + i
+            x = tl.load(x_row + kw * 8 + i, mask=kw_mask, other=0.0).to(tl.float32)
+            bits = (((words >> (4 * i)) & 0x7) << 22) | (((words >> (4 * i + 3)) & 0x1) << 31)
+            part += bits.to(tl.float32, bitcast=True) * (x * 18446744073709551616.0)[None, :]
+        # Each word's group scale (4 words a group: a cached re-read, no tile reshaped).
+        exps = tl.load(s_base + cols.to(tl.int64)[:, None] * (k_cols // 32) + (kw // 4)[None, :],
+                       mask=n_mask[:, None] & kw_mask[None, :], other=0).to(tl.uint32)
+        scales = ((exps + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 65)
+        return tl.sum(part * scales, 1)
+
     # Token counts unspecialized, as kernels._skinny_gemm_kernel's rows: they only mask.
     @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
     def _route_kernel(logits_ptr, weights_ptr, order_ptr, ends_ptr, active_ptr, num_tokens,
@@ -152,16 +182,23 @@ if triton is not None:
               (32, 256, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6), (128, 128, 8, 4),
               (256, 64, 8, 4), (256, 32, 8, 6))
 
-    #: The ways MXFP4 weights reach tl.dot: a group of 32 inputs at a time (two K=16 dots), a
-    #: whole [BLOCK_N, BLOCK_K] tile (one dot), or tl.dot_scaled (the compiler's own e2m1
-    #: upcast and scale, bf16 activations only). bf16 weights have one way.
-    GROUP, TILE, SCALED = 0, 1, 2
+    #: One row's tiles (ROWS): few columns, long runs of inputs, no tl.dot.
+    _ROW_TILES = ((16, 512, 4, 2), (32, 256, 4, 3), (32, 512, 4, 2), (64, 256, 4, 2),
+                  (16, 256, 4, 4), (64, 128, 4, 4), (32, 1024, 8, 2), (128, 256, 8, 2))
+
+    #: The ways MXFP4 weights reach the sums: a group of 32 inputs at a time (two K=16 dots),
+    #: a whole [BLOCK_N, BLOCK_K] tile (one dot), tl.dot_scaled (the compiler's own e2m1
+    #: upcast and scale, bf16 activations only), or, for one row of activations (BLOCK_M 1),
+    #: no dot at all (_mxfp4_row_dot). bf16 weights have one way.
+    GROUP, TILE, SCALED, ROWS = 0, 1, 2, 3
 
     def _prune_decode(configs, nargs, **kwargs):  # type: ignore[no-untyped-def]
-        """The configs whose decode variant applies: bf16 weights have one; tl.dot_scaled takes
-        bf16 activations only."""
+        """The configs whose decode variant applies: bf16 weights have one; one row of
+        activations takes ROWS and only it; tl.dot_scaled takes bf16 activations only."""
         if not kwargs.get("MXFP4", nargs.get("MXFP4")):
             return [c for c in configs if c.kwargs["DECODE"] == GROUP]
+        one_row = kwargs.get("BLOCK_M", nargs.get("BLOCK_M")) == 1
+        configs = [c for c in configs if (c.kwargs["DECODE"] == ROWS) == one_row]
         if nargs["x_ptr"].dtype != torch.bfloat16:
             return [c for c in configs if c.kwargs["DECODE"] != SCALED]
         return configs
@@ -170,7 +207,9 @@ if triton is not None:
     @triton.autotune(configs=[
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE": decode}, num_warps=w,
                       num_stages=st)
-        for decode in (GROUP, TILE, SCALED) for n, k, w, st in _TILES],
+        for decode in (GROUP, TILE, SCALED) for n, k, w, st in _TILES] + [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DECODE": ROWS}, num_warps=w,
+                      num_stages=st) for n, k, w, st in _ROW_TILES],
         key=["n_cols", "k_cols", "BLOCK_M", "GATE_UP", "MXFP4"],
         prune_configs_by={"early_config_prune": _prune_decode})
     @triton.jit
@@ -203,7 +242,11 @@ if triton is not None:
                 src = rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, k_cols, BLOCK_K):
-                if MXFP4 and DECODE == 2:  # SCALED: codes [BLOCK_K / 2, BLOCK_N], k-packed
+                if MXFP4 and DECODE == 3:  # ROWS: one row (BLOCK_M 1)
+                    tl.static_assert(BLOCK_M == 1)
+                    acc += _mxfp4_row_dot(x_ptr + src.to(tl.int64) * k_cols, w_base, s_base,
+                                          cols, n_mask, k0, k_cols, BLOCK_N, BLOCK_K)[None, :]
+                elif MXFP4 and DECODE == 2:  # SCALED: codes [BLOCK_K / 2, BLOCK_N], k-packed
                     k = k0 + kk
                     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * k_cols + k[None, :],
                                 mask=r_mask[:, None] & (k < k_cols)[None, :], other=0.0)
@@ -337,8 +380,11 @@ def sorted_experts(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
     gate_up_w = gate_up.flatten(2) if is_mxfp4 else gate_up
     down_w = down.flatten(2) if is_mxfp4 else down
     gate_up_s, down_s = scales if scales is not None else (gate_up, down)  # unread unless MXFP4
-    # Rows per program: the average expert gets one tile of rows.
+    # Rows per program: the average expert gets one tile of rows; one token's MXFP4 experts
+    # one row each, summed without tl.dot (the ROWS decode).
     block_m = min(64, max(16, triton.next_power_of_2(-(-pairs // num_experts))))
+    if is_mxfp4 and num_tokens == 1:
+        block_m = 1
     act = torch.empty(pairs, width // 2, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     for source, weight, scale, bias, dest, n_cols, k_cols, is_gate_up in (
