@@ -127,6 +127,12 @@ class FrontendConfig:
     #: Conditional disaggregation (as TensorRT-LLM's disaggregated server): prompts whose part
     #: not cached on the decode worker is at most this many tokens skip the prefill worker.
     max_local_prefill_length: int = 0
+    #: Late binding of prompts to prefill workers: most prompt tokens this frontend has sent a
+    #: prefill worker and not had answered (a prompt always fits a worker with none). A prompt
+    #: that finds no worker with room waits here, first come first served, and goes to the
+    #: first worker that frees room or joins, instead of queueing behind the router's pick;
+    #: 0: off (every prompt goes to the router's pick at once).
+    prefill_queue_tokens: int = 0
     # == reliability ==
     #: Admission control: most requests sent on to workers at once; 0: no limit.
     max_inflight_requests: int = 4096

@@ -31,6 +31,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.output_parsers import OutputParsers
 from tandem.frontend.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tandem.frontend.pipeline import Pipeline
+from tandem.frontend.prefill_gate import PrefillGate
 from tandem.frontend.responses_store import ResponseStore
 from tandem.frontend.served_models import ServedModels
 from tandem.frontend.tokenizer import Tokenizer
@@ -175,7 +176,9 @@ def build_frontend(config: FrontendConfig, served: ServedModelConfig, admission:
                             tokenizer, req.prompt_token_ids, stop=req.stop,
                             skip_special_tokens=req.skip_special_tokens),
                         metrics, clients.prefill, clients.encode,
-                        migration_limit=config.migration_limit)
+                        migration_limit=config.migration_limit,
+                        prefill_gate=(PrefillGate(config.prefill_queue_tokens)
+                                      if config.prefill_queue_tokens else None))
     images = (ImageSupport(placeholders, media, config.kv_block_size)
               if placeholders is not None and media is not None else None)
     frontend = Frontend(model, tokenizer, pipeline, config.request_timeout_s or None, images,

@@ -2,8 +2,10 @@
 Buckets span LLM latencies: milliseconds for ITL, up to minutes for whole requests."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -47,6 +49,9 @@ class FrontendMetrics:
         self.queued_generations = Gauge(
             "tandem_frontend_queued_generations", "The generations counted in "
             "tandem_frontend_queued_prompt_tokens", labels, registry=r)
+        self.prefill_gate_waiting = Gauge(
+            "tandem_frontend_prefill_gate_waiting", "Prompts waiting in the frontend for a "
+            "prefill worker with room (--prefill-queue-tokens)", labels, registry=r)
         self.ttft = Histogram("tandem_frontend_time_to_first_token_seconds", "TTFT", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_frontend_inter_token_latency_seconds",
@@ -110,6 +115,7 @@ class FrontendMetrics:
         self._arrival_tokens = self.arrival_prompt_tokens.labels(model)
         self._queued_tokens = self.queued_prompt_tokens.labels(model)
         self._queued_generations = self.queued_generations.labels(model)
+        self._prefill_gate_waiting = self.prefill_gate_waiting.labels(model)
 
     def for_model(self, model: str) -> FrontendMetrics:
         """These metrics (same collectors and registry) labelled with `model`."""
@@ -129,6 +135,15 @@ class FrontendMetrics:
     def set_local_candidates(self, counts: dict[str, int]) -> None:
         for kind, count in counts.items():
             self.local_candidates.labels(self.model, kind).set(count)
+
+    @contextlib.contextmanager
+    def waiting_for_prefill_room(self) -> Iterator[None]:
+        """Counts a prompt in tandem_frontend_prefill_gate_waiting while it is inside."""
+        self._prefill_gate_waiting.inc()
+        try:
+            yield
+        finally:
+            self._prefill_gate_waiting.dec()
 
     def arrive(self, prompt_tokens: int) -> QueuedPrompt:
         """Counts one generation as it arrives; it and its prompt wait (queued_generations,

@@ -32,6 +32,7 @@ from tandem.engines.types import (
 from tandem.errors import DeadlineExceeded, Overloaded, Unavailable, UpstreamError
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics, QueuedPrompt
+from tandem.frontend.prefill_gate import PrefillGate
 from tandem.multimodal.prompt import place_embeddings
 from tandem.routing.workers import RouteDecision, SlaHints, WorkerRef
 from tandem.runtime import tracing
@@ -197,7 +198,7 @@ class Pipeline:
     def __init__(self, router: RouterPort, decode: DecodePort,
                  new_detokenizer: DetokenizerFactory, metrics: FrontendMetrics,
                  prefill: PrefillPort | None = None, encode: EncodePort | None = None,
-                 migration_limit: int = 0) -> None:
+                 migration_limit: int = 0, prefill_gate: PrefillGate | None = None) -> None:
         self.router = router
         self.decode = decode
         self.prefill = prefill
@@ -206,6 +207,8 @@ class Pipeline:
         self.metrics = metrics
         #: Times a request may move to another decode worker after its stream broke; 0: never.
         self.migration_limit = migration_limit
+        #: Late binding of prompts to prefill workers; None: the router's pick at once.
+        self.prefill_gate = prefill_gate
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """Streams the answer. Closing the iterator early cancels the request downstream."""
@@ -264,8 +267,21 @@ class Pipeline:
                       queued: QueuedPrompt) -> AsyncGenerator[Delta, None]:
         """Prefills when the router disaggregates, then streams from the decode pick. The
         prompt stops waiting once prefilled (its first token made), not once the decode worker
-        streams it: what waits for decode is no prefill work."""
-        answered = await self._prefill(req, decision) if decision.disaggregate else None
+        streams it: what waits for decode is no prefill work. With a prefill gate the prompt
+        may first wait for a prefill worker with room (and be routed again meanwhile)."""
+        answered = None
+        if decision.disaggregate and self.prefill_gate is not None:
+            gate, num_tokens = self.prefill_gate, len(req.prompt_token_ids)
+            with self.metrics.waiting_for_prefill_room():
+                decision, gated = await gate.admit(num_tokens, decision,
+                                                   lambda: self._route(req), req.remaining_s())
+            try:
+                answered = await self._prefill(req, decision) if gated is not None else None
+            finally:
+                if gated is not None:
+                    gate.release(gated, num_tokens)
+        elif decision.disaggregate:
+            answered = await self._prefill(req, decision)
         if answered is not None:
             queued.answered()
         prefilled, prefill_worker = answered or (None, None)

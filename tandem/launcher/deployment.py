@@ -187,6 +187,10 @@ class Deployment:
     request_timeout_s: float = 0.0
     #: Frontend: times a request whose decode stream broke moves to another decode worker.
     migration_limit: int = 2
+    #: Frontend: late binding of prompts to prefill workers, the most prompt tokens a
+    #: frontend sends a prefill worker unanswered (more wait in the frontend for the first
+    #: worker with room, new ones included); 0: off.
+    frontend_prefill_queue_tokens: int = 0
     #: Frontend admission control: requests sent on to workers at once; 0: no limit.
     frontend_max_inflight_requests: int = 4096
     #: Frontend admission control: requests waiting for one of those slots; past it, 429 with

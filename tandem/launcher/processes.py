@@ -99,6 +99,8 @@ def processes(d: Deployment, workdir: pathlib.Path) -> list[ServiceProcess]:
     if d.max_local_prefill_length:
         frontend_flags += ["--max-local-prefill-length", str(d.max_local_prefill_length)]
     frontend_flags += ["--migration-limit", str(d.migration_limit)]
+    if d.frontend_prefill_queue_tokens:
+        frontend_flags += ["--prefill-queue-tokens", str(d.frontend_prefill_queue_tokens)]
     if any(p.kind == "video" for p in topologies[0].pools):
         frontend_flags += ["--video-model", video_model_name(d)]
     if d.json_whitespace:
