@@ -172,6 +172,8 @@ def start(args: argparse.Namespace, work: pathlib.Path, planned: bool) -> Deploy
             "--frontend-processes", "1", "--grace-period-s", "60", *engine_flags(args)]
     if args.disagg:
         argv += ["--disagg", "--prefill-ports", *map(str, workers[num_decode:])]
+    if args.prefill_queue_tokens:
+        argv += ["--frontend-prefill-queue-tokens", str(args.prefill_queue_tokens)]
     if planned:
         argv += ["--planner", "--planner-config", str(write_plan(args, work))]
     log_path = work / ("planned.log" if planned else "fixed.log")
@@ -562,6 +564,9 @@ def main() -> None:
     p.add_argument("--fixed-decode", type=int, default=0,
                    help="the fixed deployment's decode workers (0: the most the planned run had)")
     p.add_argument("--fixed-prefill", type=int, default=0, help="--disagg: its prefill workers")
+    p.add_argument("--prefill-queue-tokens", type=int, default=0,
+                   help="--disagg: the frontend's late binding of prompts to prefill workers "
+                        "(`tandem up --frontend-prefill-queue-tokens`); 0: off")
     p.add_argument("--skip-fixed", action="store_true",
                    help="no fixed run: its worker-seconds are its size x the duration")
     p.add_argument("--measure-profiles", action="store_true",
