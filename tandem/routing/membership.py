@@ -57,10 +57,12 @@ class Membership:
         (from the index too)."""
         added = self.router.set_pool_workers(pool_name, addresses)
         self._watch(added)
-        gone = [w for w in self.watchers
-                if w not in {s.worker_id for s in self.router.all_workers()}]
-        for worker_id in gone:
-            await self.watchers.pop(worker_id).close()
+        current = {s.worker_id for s in self.router.all_workers()}
+        # Taken out before the first await: another update running meanwhile (the other pool's,
+        # or a second reload) finds them gone already rather than closing them twice.
+        gone = [self.watchers.pop(w) for w in list(self.watchers) if w not in current]
+        for watcher in gone:
+            await watcher.close()
         if added or gone:
             self.on_change()  # the pools' candidate counts changed with their members
 

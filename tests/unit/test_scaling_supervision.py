@@ -79,3 +79,22 @@ async def test_the_router_takes_a_reread_configs_members() -> None:
         assert router.pool_members("decode") == ["127.0.0.1:1", "127.0.0.1:3"]
     finally:
         await membership.close()
+
+
+async def test_two_pools_shrunk_at_once_both_leave() -> None:
+    """Two updates at once (a frontend's local router spawns one per pool; a router may reload
+    twice): each drops its own gone workers once, none fails on the other's."""
+    pools = [PoolConfig(name=name, kind=name, policy="kv",
+                        workers=[f"127.0.0.1:{port + i}" for i in range(3)])
+             for name, port in (("prefill", 10), ("decode", 20))]
+    router = Router(pools, None, block_size=4, typical_osl=16)
+    membership = Membership(router, 10.0, lambda: None)
+    membership.start(pools)
+    try:
+        await asyncio.gather(membership.set_members("prefill", ["127.0.0.1:10"]),
+                             membership.set_members("decode", ["127.0.0.1:20"]))
+        assert sorted(membership.watchers) == ["127.0.0.1:10", "127.0.0.1:20"]
+        assert router.pool_members("prefill") == ["127.0.0.1:10"]
+        assert router.pool_members("decode") == ["127.0.0.1:20"]
+    finally:
+        await membership.close()
