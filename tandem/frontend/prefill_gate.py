@@ -5,10 +5,13 @@ worker's queue, even when another worker frees first or a new one joins (the pla
 workers under a burst of long prompts: the prompts already sent stay behind the one worker
 that was serving). With it, this frontend sends each prefill worker at most `max_tokens`
 prompt tokens not yet answered (a prompt always fits a worker that has none, however long);
-a prompt that finds no worker with room waits here, first come first served, and the head of
-the line asks the router again whenever a prefill answer frees room and every `recheck_s`
-(so that workers that joined meanwhile are seen), taking the first of the router's ranked
-prefill workers that has room. A re-routed request is counted once by the router.
+a prompt that finds no worker with room waits here, first come first served. The head of the
+line is routed again as it gets there (a worker it was given may have left), takes the first
+of the router's ranked prefill workers with room whenever an answer frees some, and is routed
+again every `recheck_s` while none does (so that workers that joined are seen). A re-routed
+request's load is counted once by the router, its decisions once per routing; the router
+charges it to its own first prefill pick, which may not be the one with room until the
+workers' load reports say otherwise.
 
 The bound is this frontend's own: with several frontend processes a worker may hold up to
 their number times `max_tokens`.
@@ -23,8 +26,10 @@ from collections.abc import Awaitable, Callable
 from tandem.errors import DeadlineExceeded
 from tandem.routing.workers import RouteDecision, WorkerRef
 
-#: Seconds between the head of the line's routing attempts while nothing frees.
-RECHECK_S = 0.2
+#: Seconds between the head of the line's routing attempts while no room frees (to see workers
+#: that joined: a frontend's local router takes the router's list every 2 s). Each attempt is
+#: one more routing decision in the router's counters.
+RECHECK_S = 1.0
 
 
 class PrefillGate:
@@ -56,32 +61,50 @@ class PrefillGate:
             worker = self._with_room(decision, num_tokens)
             if worker is not None:
                 return self._take(decision, worker, num_tokens)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         turn = asyncio.Event()
         self._line.append(turn)
         self._line[0].set()
         try:
-            async with asyncio.timeout(timeout_s):
-                await turn.wait()
-                while True:
+            await self._until(turn, deadline, None)
+            # At the head: routed again first (a worker it was given may have left).
+            while True:
+                decision = await reroute()
+                if not decision.disaggregate:
+                    return decision, None
+                while True:  # room freed: the same decision's workers; none for a while: route
                     self._freed.clear()
                     worker = self._with_room(decision, num_tokens)
                     if worker is not None:
                         return self._take(decision, worker, num_tokens)
-                    try:
-                        async with asyncio.timeout(self.recheck_s):
-                            await self._freed.wait()
-                    except TimeoutError:
-                        pass
-                    decision = await reroute()
-                    if not decision.disaggregate:
-                        return decision, None
-        except TimeoutError:
-            raise DeadlineExceeded("the request's deadline passed while its prompt waited "
-                                   "for a prefill worker") from None
+                    if not await self._until(self._freed, deadline, self.recheck_s):
+                        break
         finally:
             self._line.remove(turn)
             if self._line:
                 self._line[0].set()
+
+    @staticmethod
+    async def _until(event: asyncio.Event, deadline: float | None,
+                     at_most_s: float | None) -> bool:
+        """Whether `event` was set within `at_most_s` (None: however long); DeadlineExceeded
+        once `deadline` (the loop's clock) passed first."""
+        wait_s = at_most_s
+        if deadline is not None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise DeadlineExceeded("the request's deadline passed while its prompt waited "
+                                       "for a prefill worker")
+            wait_s = left if wait_s is None else min(wait_s, left)
+        try:
+            await asyncio.wait_for(event.wait(), wait_s)
+            return True
+        except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                raise DeadlineExceeded("the request's deadline passed while its prompt waited "
+                                       "for a prefill worker") from None
+            return False
 
     def release(self, worker: WorkerRef, num_tokens: int) -> None:
         """The prompt `admit` sent to `worker` was answered (or failed)."""

@@ -1,6 +1,6 @@
 """Late binding of prompts to prefill workers through `tandem up --disagg
 --frontend-prefill-queue-tokens` (mock engine in real time, prompts prefilled in 16-token
-chunks so that each takes a while): with a bound below one prompt, each prefill worker holds
+chunks so that each takes a while): with a bound below one prompt, each prefill worker is sent
 one prompt at a time and the rest wait in the frontend (its
 tandem_frontend_prefill_gate_waiting gauge), every request completes, and both workers end
 idle. tests/unit/test_prefill_gate.py checks the order and the ways out of a wait."""
@@ -51,12 +51,16 @@ def test_prompts_wait_in_the_frontend_and_all_complete(gated: Topology) -> None:
 
     def watch() -> None:
         while not done.is_set():
-            seen_waiting.append(waiting(gated))
+            try:
+                seen_waiting.append(waiting(gated))
+            except OSError:  # a scrape that failed: the next one counts
+                pass
             done.wait(0.01)
 
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True)
+               for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
@@ -64,6 +68,6 @@ def test_prompts_wait_in_the_frontend_and_all_complete(gated: Topology) -> None:
     done.set()
     watcher.join()
     assert answers == dict.fromkeys(range(len(prompts)), 6)
-    assert max(seen_waiting) >= 1, "no prompt ever waited in the frontend"
+    assert max(seen_waiting, default=0) >= 1, "no prompt ever waited in the frontend"
     assert waiting(gated) == 0
     wait_idle(*gated.decode_addresses, *gated.prefill_addresses)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from tandem.engines.types import EngineRequest, PrefillResult, SamplingParams, TokenLogprob
-from tandem.errors import DeadlineExceeded
+from tandem.errors import DeadlineExceeded, Unavailable
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.pipeline import GenerationRequest, Pipeline
@@ -129,9 +129,43 @@ async def test_the_deadline_ends_a_wait_with_a_clear_error() -> None:
     router = PrefillPool("p1")
     await gate.admit(5, decision("p1"), lambda: router.route("a", [], 1, SlaHints()), None)
     with pytest.raises(DeadlineExceeded, match="waited for a prefill worker"):
-        await gate.admit(3, decision("p1"), lambda: router.route("b", [], 1, SlaHints()), 0.05)
+        await gate.admit(3, decision("p1"), lambda: router.route("b", [], 1, SlaHints()), 0.2)
     assert gate.num_waiting == 0 and gate.outstanding("p1") == 5
-    assert router.routes > 0  # it kept asking while it waited
+    assert router.routes > 1  # routed at the head of the line, then again while none freed
+
+
+async def test_a_failed_routing_ends_the_wait_and_hands_the_turn_on() -> None:
+    gate = PrefillGate(max_tokens=5, recheck_s=0.01)
+    router = PrefillPool("p1")
+    await gate.admit(5, decision("p1"), lambda: router.route("a", [], 1, SlaHints()), None)
+
+    async def refused() -> RouteDecision:
+        raise Unavailable("no healthy worker")
+
+    first = asyncio.create_task(gate.admit(3, decision("p1"), refused, None))
+    second = asyncio.create_task(gate.admit(2, decision("p1"), lambda: router.route(
+        "x", [], 1, SlaHints()), None))
+    with pytest.raises(Unavailable):
+        await first
+    gate.release(prefill_ref("p1"), 5)
+    _, worker = await asyncio.wait_for(second, 1.0)
+    assert worker == prefill_ref("p1") and gate.num_waiting == 0
+
+
+async def test_a_prefill_that_fails_or_is_cancelled_gives_its_room_back(
+        tokenizer: Tokenizer) -> None:
+    router, prefill = PrefillPool("p1"), HeldPrefill()
+    gate = PrefillGate(max_tokens=5, recheck_s=0.01)
+    served = Pipeline(router, ScriptedWorkers({}), lambda req: IncrementalDetokenizer(tokenizer),
+                      FrontendMetrics("m"), prefill=prefill,  # type: ignore[arg-type]
+                      prefill_gate=gate)
+    task = asyncio.create_task(_collect(served, request(1)))
+    await until(lambda: prefill.calls, "r1 prefilling")
+    assert gate.outstanding("p1") == 3
+    task.cancel()  # the client left while its prompt was prefilled
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.outstanding("p1") == 0
 
 
 async def test_a_cancelled_wait_leaves_the_line_and_the_next_goes_on() -> None:

@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 
 TEMPERATURE = 0.5
 SAMPLES = 3000
-#: A false failure once in 10^4 runs; the seeds are fixed, so a run repeats its verdict.
+#: Each chi-square test's false-failure rate (two tests: about 2 in 10^4 runs); the seeds are
+#: fixed, so a run repeats its verdict as long as the engine batches the requests alike.
 ALPHA = 1e-4
 
 
