@@ -75,6 +75,13 @@ async def until(condition: object, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def gated_pipeline(tokenizer: Tokenizer, router: PrefillPool, prefill: HeldPrefill,
+                   gate: PrefillGate) -> Pipeline:
+    return Pipeline(router, ScriptedWorkers({}), lambda req: IncrementalDetokenizer(tokenizer),
+                    FrontendMetrics("m"), prefill=prefill,  # type: ignore[arg-type]
+                    prefill_gate=gate)
+
+
 def request(i: int, tokens: int = 3) -> GenerationRequest:
     return GenerationRequest(f"r{i}", list(range(10, 10 + tokens)), SamplingParams(max_tokens=2))
 
@@ -83,9 +90,7 @@ async def test_prompts_wait_for_room_and_go_to_the_worker_that_frees_or_joins(
         tokenizer: Tokenizer) -> None:
     router, prefill = PrefillPool("p1"), HeldPrefill()
     gate = PrefillGate(max_tokens=5, recheck_s=0.01)
-    served = Pipeline(router, ScriptedWorkers({}), lambda req: IncrementalDetokenizer(tokenizer),
-                      FrontendMetrics("m"), prefill=prefill,  # type: ignore[arg-type]
-                      prefill_gate=gate)
+    served = gated_pipeline(tokenizer, router, prefill, gate)
 
     async def run(i: int) -> list[int]:
         return [t async for d in served.generate(request(i)) for t in d.token_ids]
@@ -156,9 +161,7 @@ async def test_a_prefill_that_fails_or_is_cancelled_gives_its_room_back(
         tokenizer: Tokenizer) -> None:
     router, prefill = PrefillPool("p1"), HeldPrefill()
     gate = PrefillGate(max_tokens=5, recheck_s=0.01)
-    served = Pipeline(router, ScriptedWorkers({}), lambda req: IncrementalDetokenizer(tokenizer),
-                      FrontendMetrics("m"), prefill=prefill,  # type: ignore[arg-type]
-                      prefill_gate=gate)
+    served = gated_pipeline(tokenizer, router, prefill, gate)
     task = asyncio.create_task(_collect(served, request(1)))
     await until(lambda: prefill.calls, "r1 prefilling")
     assert gate.outstanding("p1") == 3
@@ -194,9 +197,7 @@ async def test_a_wait_routed_back_to_aggregated_serving_takes_no_room(
     prefix cached on the decode pick): it is then served without a prefill worker."""
     router, prefill = PrefillPool("p1"), HeldPrefill()
     gate = PrefillGate(max_tokens=5, recheck_s=0.01)
-    served = Pipeline(router, ScriptedWorkers({}), lambda req: IncrementalDetokenizer(tokenizer),
-                      FrontendMetrics("m"), prefill=prefill,  # type: ignore[arg-type]
-                      prefill_gate=gate)
+    served = gated_pipeline(tokenizer, router, prefill, gate)
     await gate.admit(5, decision("p1"), lambda: router.route("a", [], 1, SlaHints()), None)
     task = asyncio.create_task(
         asyncio.wait_for(_collect(served, request(9)), 2.0))
