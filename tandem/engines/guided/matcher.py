@@ -44,10 +44,12 @@ class _LazyTorch:
     """torch, imported at the first use of one of its names: the batching engine imports this
     module, and a mock engine's worker, which needs torch only for a guided request's masks,
     then starts in 0.3 s instead of 1.5 s of CPU (the planner adds workers under a burst, many
-    at once)."""
+    at once). The first use puts the module itself in its place, so that the masks' per-step
+    code reads torch's names directly from then on."""
 
     def __getattr__(self, name: str) -> Any:
         import torch as module
+        globals()["torch"] = module
         return getattr(module, name)
 
 
